@@ -1,0 +1,23 @@
+// Shared CLI plumbing: global options and the registration hook each
+// cmd_<verb>.cpp provides. Subcommands bind an options struct and call a library.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace vlmopt::app {
+
+struct GlobalOptions {
+  int verbosity = 0;        // -v / -q
+  bool json = false;        // machine-readable result on stdout
+  std::string device = "cpu";
+};
+
+// Each subcommand registers itself: adds a CLI11 subcommand and its callback.
+using Register = void (*)(CLI::App& root, const GlobalOptions& globals);
+void register_inspect(CLI::App& root, const GlobalOptions& globals);
+
+}  // namespace vlmopt::app

@@ -1,0 +1,22 @@
+# VLMOPT_CUDA=AUTO|ON|OFF decides whether our own CUDA kernels are built.
+set(VLMOPT_HAVE_CUDA OFF)
+if(NOT VLMOPT_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  if(NOT CMAKE_CUDA_COMPILER AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 17)  # CMake 3.25 cannot drive nvcc in C++20 mode
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    if(NOT CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
+      # Ampere, Ada, Hopper: what deployment teams run on.
+      set(CMAKE_CUDA_ARCHITECTURES 80-real 89-real 90)
+    endif()
+    set(VLMOPT_HAVE_CUDA ON)
+  elseif(VLMOPT_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "VLMOPT_CUDA=ON but no CUDA compiler (nvcc) was found")
+  endif()
+endif()
+message(STATUS "vlmopt: CUDA kernels ${VLMOPT_HAVE_CUDA}")

@@ -1,0 +1,22 @@
+// safetensors dtypes and their sizes; conversion to torch lives in io/torch_bridge.hpp.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace vlmopt::io {
+
+enum class DType {
+  kBool, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64, kF8_E4M3, kF8_E5M2,
+};
+
+// "F32" -> kF32; nullopt for names we do not know.
+std::optional<DType> parse_dtype(std::string_view name);
+// kF32 -> "F32" (the spelling safetensors headers use).
+std::string_view dtype_name(DType dtype);
+// Bytes per element.
+std::size_t dtype_size(DType dtype);
+
+}  // namespace vlmopt::io
