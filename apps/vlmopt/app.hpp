@@ -19,5 +19,8 @@ struct GlobalOptions {
 // Each subcommand registers itself: adds a CLI11 subcommand and its callback.
 using Register = void (*)(CLI::App& root, const GlobalOptions& globals);
 void register_inspect(CLI::App& root, const GlobalOptions& globals);
+void register_datasets(CLI::App& root, const GlobalOptions& globals);
+void register_eval(CLI::App& root, const GlobalOptions& globals);
+void register_pipeline(CLI::App& root, const GlobalOptions& globals);
 
 }  // namespace vlmopt::app

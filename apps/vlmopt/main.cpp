@@ -27,7 +27,8 @@ int main(int argc, char** argv) {
   root.add_option("--device", globals.device, "Compute device")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
   root.parse_complete_callback([&] { vlmopt::log::init(globals.verbosity); });
 
-  for (auto reg : {vlmopt::app::register_inspect}) reg(root, globals);
+  using namespace vlmopt::app;
+  for (auto reg : {register_inspect, register_datasets, register_eval, register_pipeline}) reg(root, globals);
 
   try {
     root.parse(argc, argv);

@@ -77,6 +77,11 @@ void write_safetensors(const std::filesystem::path& path, std::vector<TensorToWr
 // with its shards. Tensor names are unique across shards (checked).
 class Checkpoint {
  public:
+  // `dir` may also be a single .safetensors file. model.safetensors wins over an
+  // index when both exist (as in transformers). The index is validated: weight_map
+  // is an object of plain file names that exist, every name in it is in the file it
+  // names, no tensor is in two shards; tensors a shard holds beyond weight_map are
+  // included. Errors are InputError "<index path>: field 'weight_map.<name>': ...".
   static Checkpoint open(const std::filesystem::path& dir);
   const std::filesystem::path& dir() const { return dir_; }
   std::vector<std::string> names() const;  // sorted
@@ -92,8 +97,13 @@ class Checkpoint {
 };
 
 // Writes tensors as one file, or as shards `model-0000i-of-0000n.safetensors`
-// plus model.safetensors.index.json when the total exceeds `max_shard_bytes`.
-// Returns the file names written (relative to dir).
+// plus model.safetensors.index.json when the total exceeds `max_shard_bytes`
+// (0: never shard). Shards are filled greedily in name order; a tensor larger than
+// the limit gets a shard of its own. The index has metadata.total_size (sum of
+// tensor bytes) and weight_map, written like save_pretrained (sorted, indent 2).
+// Creates `dir` if needed; afterwards removes model.safetensors / index / shard
+// files of an earlier layout that were not written now. Each file is atomic.
+// Returns the file names written (relative to dir), the index last.
 std::vector<std::string> write_checkpoint(const std::filesystem::path& dir, std::vector<TensorToWrite> tensors,
                                           uint64_t max_shard_bytes,
                                           std::map<std::string, std::string> metadata = {});
