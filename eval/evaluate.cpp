@@ -62,11 +62,12 @@ std::string EvalResult::format() const {
 }
 
 EvalResult evaluate(const EvalOptions& options) {
-  if (!options.bundle.empty())
-    throw InputError(fmt::format("--bundle {}: running optimized bundles is not available in this build yet",
-                                 options.bundle));
   VLMOPT_CHECK_INPUT(options.batch_size > 0, "--batch-size: must be positive (got {})", options.batch_size);
-  auto session = VlmSession::open(options.session);
+  auto session_options = options.session;
+  session_options.bundle = options.bundle;
+  session_options.kernels = options.kernels;
+  session_options.use_mp_cache = options.use_mp_cache;
+  auto session = VlmSession::open(session_options);
   auto source = datasets::open_dataset(options.data);
   const int64_t total = options.limit > 0 ? std::min<int64_t>(options.limit, static_cast<int64_t>(source->size()))
                                           : static_cast<int64_t>(source->size());

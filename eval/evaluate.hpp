@@ -16,7 +16,9 @@ namespace vlmopt::eval {
 
 struct EvalOptions {
   SessionOptions session;
-  std::string bundle;                 // optimized bundle to run instead of the plain model (later issues)
+  std::string bundle;                 // optimized bundle to run instead of the plain model
+  std::string kernels = "fake";       // bundle kernels: "fake" (fake-quant) | "int8" (int8 GEMM)
+  bool use_mp_cache = true;           // false (--no-mp-cache): no FP16 outlier path, as compressed-tensors
   std::string data = "builtin:eval";  // dataset spec (see datasets::open_dataset)
   int64_t limit = 0;                  // first N samples; 0 = all
   int64_t batch_size = 8;

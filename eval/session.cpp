@@ -1,5 +1,6 @@
 #include "eval/session.hpp"
 
+#include "runtime/runtime.hpp"
 #include "tokenizer/prompt.hpp"
 #include "util/error.hpp"
 #include "util/paths.hpp"
@@ -38,11 +39,20 @@ VlmSession::VlmSession(SessionOptions options, std::filesystem::path model_dir, 
 }
 
 VlmSession VlmSession::open(const SessionOptions& options) {
-  const auto dir = resolve_model_dir(options.model);
   const torch::Device device(options.device);
   if (device.is_cuda() && !torch::cuda::is_available())
     throw InputError(fmt::format("--device {}: CUDA is not available on this machine", options.device));
-  auto model = model::LlavaModel::load(dir, device, parse_dtype_name(options.dtype));
+  const auto dir = options.bundle.empty() ? resolve_model_dir(options.model) : std::filesystem::path(options.bundle);
+  auto model = [&] {
+    if (options.bundle.empty() && options.defer_decoder_layers)
+      return model::LlavaModel::load_deferred(dir, device, parse_dtype_name(options.dtype));
+    if (options.bundle.empty()) return model::LlavaModel::load(dir, device, parse_dtype_name(options.dtype));
+    runtime::RuntimeOptions runtime_options;
+    runtime_options.kernels = runtime::parse_kernel_kind(options.kernels);
+    runtime_options.use_mp_cache = options.use_mp_cache;
+    runtime_options.dtype = parse_dtype_name(options.dtype);
+    return std::move(runtime::load_bundle(dir, device, runtime_options).model);
+  }();
   auto tok = tokenizer::Tokenizer::load(dir);
   auto processor = datasets::image_processor_for_model(dir, model.config().vision);
   if (options.prompt_template.find("{question}") == std::string::npos)

@@ -25,6 +25,12 @@ struct SessionOptions {
   std::string dtype = "float32";  // "float32" | "bfloat16" | "float16"
   std::string prompt_template = kDefaultPromptTemplate;
   int max_new_tokens = 8;
+  // Leave the decoder layers unloaded (LlavaModel::load_deferred): layer-by-layer calibration.
+  bool defer_decoder_layers = false;
+  // Optimized bundle to run instead of `model` (tokenizer and processor from the bundle dir).
+  std::string bundle;
+  std::string kernels = "fake";  // bundle kernels: "fake" | "int8" (runtime::KernelKind)
+  bool use_mp_cache = true;      // false: what compressed-tensors computes (no FP16 outlier channels)
 };
 
 // One model input batch: left-padded ids and mask [B,T], pixel values [B,3,H,W].

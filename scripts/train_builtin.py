@@ -12,11 +12,12 @@ HDF5 pack and reads it with h5py. The vocabulary of the WordLevel tokenizer is
 the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 
     scripts/train_builtin.py --vlmopt build/apps/vlmopt/vlmopt [--out models/builtin]
-        [--samples 40000] [--minutes 28] [--seed 0]
+        [--steps 1100] [--batch 32] [--seed 0]
 
-Reproducible from the seed (CPU, fixed thread count); stops at --samples or
-after --minutes of training, whichever comes first, and writes the checkpoint
-atomically (temp dir + rename).
+Reproducible from the seed: a fixed number of optimizer steps (not a time
+budget, so a slower or busier machine gives the same model), CPU, fixed thread
+count. About 25-30 minutes on 2 idle cores. Writes the checkpoint atomically
+(temp dir + rename).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
-                          LlavaForConditionalGeneration, PreTrainedTokenizerFast)
+                          LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 
 # Prompt format shared with the C++ runtime (runtime::kDefaultPromptTemplate).
 PROMPT_TEMPLATE = "USER: <image>\n{question} ASSISTANT:"
@@ -69,7 +70,7 @@ def make_config(vocab_size: int, image_token_id: int, ids: dict[str, int]) -> Ll
     vision = CLIPVisionConfig(image_size=IMAGE_SIZE, patch_size=PATCH, hidden_size=128,
                               intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                               hidden_act="quick_gelu", projection_dim=128)
-    text = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=688,
+    text = LlamaConfig(vocab_size=vocab_size, hidden_size=256, intermediate_size=768,
                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
                        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
@@ -154,8 +155,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vlmopt", required=True, help="path to the vlmopt binary (dataset generator)")
     ap.add_argument("--out", default="models/builtin")
-    ap.add_argument("--samples", type=int, default=60000, help="training samples to pack and use at most")
-    ap.add_argument("--minutes", type=float, default=28.0, help="wall-clock training budget")
+    ap.add_argument("--steps", type=int, default=1100, help="optimizer steps (each sees --batch new samples)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--seed", type=int, default=0)
@@ -170,10 +170,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
 
     vocab_words = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))["words"]
-    train_h5, calib_h5 = work / "train.h5", work / "calib.h5"
+    samples = args.steps * args.batch
+    train_h5, calib_h5 = work / f"train-{samples}.h5", work / "calib.h5"
     if not train_h5.exists():
-        print(f"[train] packing builtin:train ({args.samples} samples) -> {train_h5}", file=sys.stderr)
-        run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:train", str(train_h5), "--limit", str(args.samples))
+        print(f"[train] packing builtin:train ({samples} samples) -> {train_h5}", file=sys.stderr)
+        run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:train", str(train_h5), "--limit", str(samples))
     if not calib_h5.exists():
         run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:calib", str(calib_h5))
     train, held = Pack(train_h5), Pack(calib_h5)
@@ -185,24 +186,16 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] {n_params / 1e6:.2f} M parameters, vocab {tok.get_vocab_size()}", file=sys.stderr)
 
-    steps_max = len(train) // args.batch
+    steps_max = min(args.steps, len(train) // args.batch)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = 50
-    # Cosine schedule over the step budget we expect to reach in the time budget;
-    # re-estimated after warmup from the measured step time.
-    horizon = steps_max
-    sched_lr = lambda step: args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step / horizon, 1.0)))
+    # Linear warmup, then cosine decay to 0 over the fixed step count.
+    sched_lr = lambda step: args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps_max))
     log, t0, rng = [], time.time(), np.random.default_rng(args.seed)
     order = rng.permutation(len(train))
     model.train()
     step = 0
     for step in range(steps_max):
-        if step == warmup:
-            per_step = (time.time() - t0) / warmup
-            horizon = min(steps_max, int(args.minutes * 60 / per_step))
-            print(f"[train] {per_step:.2f} s/step -> horizon {horizon} steps", file=sys.stderr)
-        if step >= horizon:
-            break
         for g in opt.param_groups:
             g["lr"] = sched_lr(step)
         imgs, qs, ans, _ = train.batch(order[step * args.batch:(step + 1) * args.batch])
@@ -215,13 +208,14 @@ def main() -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0:
-            entry = {"step": step, "loss": round(float(loss), 5), "lr": sched_lr(step), "s": round(time.time() - t0, 1)}
+            entry = {"step": step, "loss": round(float(loss.detach()), 5), "lr": sched_lr(step), "s": round(time.time() - t0, 1)}
             if step % 200 == 0 and step > 0:
                 entry["heldout_acc"], entry["by_type"] = quick_eval(model, tok, held, ids, 256, 64)
             log.append(entry)
             print(f"[train] {json.dumps(entry)}", file=sys.stderr)
     train_seconds = time.time() - t0
     acc, by_type = quick_eval(model, tok, held, ids, len(held), 64)
+    step = steps_max
     print(f"[train] done: {step} steps, {train_seconds:.0f} s, calib first-token acc {acc:.4f} {by_type}", file=sys.stderr)
 
     out = Path(args.out)
@@ -229,9 +223,15 @@ def main() -> int:
     model.save_pretrained(tmp, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+    image_processor = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                         crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                         image_mean=CLIP_MEAN, image_std=CLIP_STD)
+    # processor_config.json (LlavaProcessor: AutoProcessor.from_pretrained works),
+    # then the tokenizer and preprocessor_config.json on their own for older loaders.
+    LlavaProcessor(image_processor=image_processor, tokenizer=fast, patch_size=PATCH,
+                   vision_feature_select_strategy="default", num_additional_image_tokens=1).save_pretrained(tmp)
     fast.save_pretrained(tmp)
-    CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
-                       image_mean=CLIP_MEAN, image_std=CLIP_STD).save_pretrained(tmp)
+    image_processor.save_pretrained(tmp)
     (tmp / "vlmopt_training.json").write_text(json.dumps({
         "script": "scripts/train_builtin.py", "args": vars(args), "steps": step, "train_seconds": round(train_seconds, 1),
         "parameters": n_params, "prompt_template": PROMPT_TEMPLATE, "calib_first_token_accuracy": acc,

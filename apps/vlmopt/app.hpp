@@ -22,5 +22,8 @@ void register_inspect(CLI::App& root, const GlobalOptions& globals);
 void register_datasets(CLI::App& root, const GlobalOptions& globals);
 void register_eval(CLI::App& root, const GlobalOptions& globals);
 void register_pipeline(CLI::App& root, const GlobalOptions& globals);
+void register_verify(CLI::App& root, const GlobalOptions& globals);
+void register_calibrate(CLI::App& root, const GlobalOptions& globals);
+void register_bench(CLI::App& root, const GlobalOptions& globals);
 
 }  // namespace vlmopt::app

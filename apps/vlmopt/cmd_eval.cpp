@@ -11,7 +11,12 @@ void register_eval(CLI::App& root, const GlobalOptions& globals) {
   auto opts = std::make_shared<eval::EvalOptions>();
   auto* cmd = root.add_subcommand("eval", "Greedy answers on a dataset: exact-match accuracy, per type, latency");
   cmd->add_option("--model", opts->session.model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
-  cmd->add_option("--bundle", opts->bundle, "Optimized bundle directory to evaluate");
+  cmd->add_option("--bundle", opts->bundle, "Optimized bundle directory to evaluate (instead of --model)");
+  cmd->add_option("--kernels", opts->kernels, "Bundle kernels: fake (fake-quant) | int8 (int8 GEMM)")
+      ->check(CLI::IsMember({"fake", "int8"}))
+      ->capture_default_str();
+  cmd->add_flag("--no-mp-cache{false}", opts->use_mp_cache,
+                "Run the bundle as compressed-tensors does (no FP16 outlier channels)");
   cmd->add_option("--data", opts->data, "Dataset: builtin:train|calib|eval|stress, a .jsonl or an .h5")
       ->capture_default_str();
   cmd->add_option("--limit", opts->limit, "Evaluate the first N samples (0 = all)")->capture_default_str();

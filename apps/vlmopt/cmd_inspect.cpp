@@ -10,7 +10,7 @@ namespace vlmopt::app {
 
 void register_inspect(CLI::App& root, const GlobalOptions& globals) {
   auto path = std::make_shared<std::string>();
-  auto* cmd = root.add_subcommand("inspect", "Summarize a model directory or a .safetensors file");
+  auto* cmd = root.add_subcommand("inspect", "Summarize a model directory, a .safetensors file or an MP-Cache file");
   cmd->add_option("path", *path, "HF model directory (or 'builtin') or .safetensors file")->required();
   cmd->callback([path, &globals] {
     const auto summary = bundle::inspect(*path == "builtin" ? vlmopt::builtin_model_dir() : std::filesystem::path(*path));

@@ -1,23 +1,30 @@
-// `vlmopt pipeline`: binds PipelineOptions and prints eval::run_pipeline's summary.
+// `vlmopt pipeline`: binds PipelineOptions and prints pipeline::run_pipeline's summary.
 #include "app.hpp"
 
-#include "eval/pipeline.hpp"
+#include "pipeline/pipeline.hpp"
 
 #include <cstdio>
 
 namespace vlmopt::app {
 
 void register_pipeline(CLI::App& root, const GlobalOptions& globals) {
-  auto opts = std::make_shared<eval::PipelineOptions>();
-  auto* cmd = root.add_subcommand("pipeline", "Run every optimization step in order and report");
-  cmd->add_option("--model", opts->session.model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
-  cmd->add_option("--out", opts->out, "Output directory (bundle and reports)")->required();
+  auto opts = std::make_shared<pipeline::PipelineOptions>();
+  auto scheme = std::make_shared<std::string>("w8a8");
+  auto* cmd = root.add_subcommand("pipeline", "Run every optimization step in order into one bundle, and report");
+  cmd->add_option("--model", opts->model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
+  cmd->add_option("--out", opts->out, "Bundle directory to write (replaced atomically)")->required();
+  cmd->add_option("--calib-data", opts->calib_data, "Calibration dataset")->capture_default_str();
+  cmd->add_option("--calib-samples", opts->calib_samples, "Calibration samples")->capture_default_str();
+  cmd->add_option("--scheme", *scheme, "w8a8 | w8a16 | w4a16 | fp8")
+      ->check(CLI::IsMember({"w8a8", "w8a16", "w4a16", "fp8"}))
+      ->capture_default_str();
   cmd->add_option("--eval-data", opts->eval_data, "Dataset for the evaluations")->capture_default_str();
   cmd->add_option("--eval-limit", opts->eval_limit, "Evaluate the first N samples (0 = all)")->capture_default_str();
   cmd->add_option("--batch-size", opts->batch_size, "Samples per forward pass")->capture_default_str();
-  cmd->callback([opts, &globals] {
-    opts->session.device = globals.device;
-    const auto result = eval::run_pipeline(*opts);
+  cmd->callback([opts, scheme, &globals] {
+    opts->device = globals.device;
+    opts->scheme = quant::parse_scheme(*scheme);
+    const auto result = pipeline::run_pipeline(*opts);
     if (globals.json) {
       std::puts(result.summary.dump().c_str());
     } else {

@@ -28,7 +28,9 @@ int main(int argc, char** argv) {
   root.parse_complete_callback([&] { vlmopt::log::init(globals.verbosity); });
 
   using namespace vlmopt::app;
-  for (auto reg : {register_inspect, register_datasets, register_eval, register_pipeline}) reg(root, globals);
+  for (auto reg : {register_inspect, register_datasets, register_calibrate, register_eval, register_verify,
+                   register_bench, register_pipeline})
+    reg(root, globals);
 
   try {
     root.parse(argc, argv);

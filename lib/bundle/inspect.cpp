@@ -3,6 +3,7 @@
 #include "io/hf_config.hpp"
 #include "io/safetensors.hpp"
 #include "model/weights.hpp"
+#include "quant/mp_cache.hpp"
 #include "util/error.hpp"
 
 #include <fmt/format.h>
@@ -111,16 +112,62 @@ nlohmann::json inspect_model_dir(const std::filesystem::path& dir) {
           {"linear_layers", std::move(linears)}};
 }
 
+nlohmann::json inspect_mp_cache(const std::filesystem::path& file) {
+  quant::MpCacheLayout layout;
+  const auto cache = quant::read_mp_cache(file, &layout);
+  auto summary = quant::summarize_mp_cache(cache, &layout);
+  summary["path"] = file.string();
+  return summary;
+}
+
 nlohmann::json inspect(const std::filesystem::path& path) {
   if (std::filesystem::is_directory(path)) return inspect_model_dir(path);
+  if (std::filesystem::is_regular_file(path) && quant::is_mp_cache_file(path)) return inspect_mp_cache(path);
   if (std::filesystem::is_regular_file(path) && path.extension() == ".safetensors") return inspect_safetensors(path);
   if (!std::filesystem::exists(path)) throw InputError(fmt::format("{}: no such file or directory", path.string()));
-  throw InputError(fmt::format("{}: not something vlmopt can inspect (expected a model directory or a .safetensors file)",
+  throw InputError(fmt::format("{}: not something vlmopt can inspect (expected a model directory, a .safetensors file or an MP-Cache file)",
                                path.string()));
 }
 
+namespace {
+
+std::string scale_range_text(const nlohmann::json& lo, const nlohmann::json& hi) {
+  if (lo.is_null() || hi.is_null()) return "-";
+  return fmt::format("{:.6g}..{:.6g}", lo.get<double>(), hi.get<double>());
+}
+
+std::string format_mp_cache(const nlohmann::json& s) {
+  std::string out;
+  const auto& file = s.at("file");
+  out += fmt::format("{}: MP-Cache v{}, {} bytes, {} tensors, sha256 {}\n", s.at("path").get<std::string>(),
+                     file.at("format_version").get<uint32_t>(), file.at("file_size").get<uint64_t>(),
+                     s.at("tensor_count").get<uint64_t>(), file.at("sha256").get<std::string>());
+  out += "  sections (offset, size in bytes):\n";
+  for (const char* name : {"directory", "strings", "weight", "activation"}) {  // file order
+    const auto& region = file.at("sections").at(name);
+    out += fmt::format("    {:<12} {:>12} {:>12}\n", name, region.at("offset").get<uint64_t>(), region.at("size").get<uint64_t>());
+  }
+  for (const auto& [role, r] : s.at("roles").items())
+    out += fmt::format("  {:<10} {} tensors, {} entries, {} masked channels, dtypes {}, scales {}\n", role,
+                       r.at("tensors").get<uint64_t>(), r.at("entries").get<uint64_t>(),
+                       r.at("masked_channels").get<uint64_t>(), r.at("dtypes").dump(),
+                       scale_range_text(r.at("scale_min"), r.at("scale_max")));
+  out += fmt::format("  {:<64} {:<10} {:<8} {:>4} {:>5} {:>8} {:>6} {:>8} {:>7}  {}\n", "tensor", "role", "dtype", "axis",
+                     "group", "channels", "rows", "entries", "masked", "scales");
+  for (const auto& t : s.at("tensors"))
+    out += fmt::format("  {:<64} {:<10} {:<8} {:>4} {:>5} {:>8} {:>6} {:>8} {:>7}  {}\n", t.at("name").get<std::string>(),
+                       t.at("role").get<std::string>(), t.at("dtype").get<std::string>(), t.at("axis").get<int32_t>(),
+                       t.at("group_size").get<uint32_t>(), t.at("channels").get<uint64_t>(), t.at("rows").get<uint64_t>(),
+                       t.at("entries").get<uint64_t>(), t.at("masked_channels").get<uint64_t>(),
+                       scale_range_text(t.at("scale_min"), t.at("scale_max")));
+  return out;
+}
+
+}  // namespace
+
 std::string format_inspect(const nlohmann::json& s) {
   std::string out;
+  if (s.at("kind") == "mp_cache") return format_mp_cache(s);
   if (s.at("kind") == "safetensors") {
     out += fmt::format("{}: safetensors, {} bytes, {} tensors, {} elements\n", s.at("path").get<std::string>(),
                        s.at("file_size").get<uint64_t>(), s.at("tensors").size(), s.at("elements").get<int64_t>());

@@ -12,41 +12,33 @@
 #include <vector>
 
 namespace vlmopt::io {
-namespace {
+void Sha256::Deleter::operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
 
-struct EvpContextDeleter {
-  void operator()(EVP_MD_CTX* ctx) const { EVP_MD_CTX_free(ctx); }
-};
+Sha256::Sha256() : ctx_(EVP_MD_CTX_new()) {
+  VLMOPT_CHECK(ctx_ != nullptr, "EVP_MD_CTX_new failed");
+  VLMOPT_CHECK(EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) == 1, "EVP_DigestInit_ex(sha256) failed");
+}
+Sha256::~Sha256() = default;
+Sha256::Sha256(Sha256&&) noexcept = default;
+Sha256& Sha256::operator=(Sha256&&) noexcept = default;
 
-// Incremental SHA-256 over an owned EVP context.
-class Sha256 {
- public:
-  Sha256() : ctx_(EVP_MD_CTX_new()) {
-    VLMOPT_CHECK(ctx_ != nullptr, "EVP_MD_CTX_new failed");
-    VLMOPT_CHECK(EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) == 1, "EVP_DigestInit_ex(sha256) failed");
+void Sha256::update(const void* data, std::size_t size) {
+  VLMOPT_CHECK(EVP_DigestUpdate(ctx_.get(), data, size) == 1, "EVP_DigestUpdate failed");
+}
+
+std::string Sha256::hex_digest() {
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int length = 0;
+  VLMOPT_CHECK(EVP_DigestFinal_ex(ctx_.get(), digest, &length) == 1, "EVP_DigestFinal_ex failed");
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * length);
+  for (unsigned int i = 0; i < length; ++i) {
+    out.push_back(kHex[digest[i] >> 4]);
+    out.push_back(kHex[digest[i] & 0xF]);
   }
-  void update(const void* data, std::size_t size) {
-    VLMOPT_CHECK(EVP_DigestUpdate(ctx_.get(), data, size) == 1, "EVP_DigestUpdate failed");
-  }
-  std::string hex_digest() {
-    unsigned char digest[EVP_MAX_MD_SIZE];
-    unsigned int length = 0;
-    VLMOPT_CHECK(EVP_DigestFinal_ex(ctx_.get(), digest, &length) == 1, "EVP_DigestFinal_ex failed");
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string out;
-    out.reserve(2 * length);
-    for (unsigned int i = 0; i < length; ++i) {
-      out.push_back(kHex[digest[i] >> 4]);
-      out.push_back(kHex[digest[i] & 0xF]);
-    }
-    return out;
-  }
-
- private:
-  std::unique_ptr<EVP_MD_CTX, EvpContextDeleter> ctx_;
-};
-
-}  // namespace
+  return out;
+}
 
 std::string sha256_hex(std::span<const std::byte> bytes) {
   Sha256 sha;

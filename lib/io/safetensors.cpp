@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -263,6 +264,18 @@ const TensorInfo& SafetensorsFile::at(std::string_view name) const {
   const TensorInfo* info = find(name);
   if (info == nullptr) throw InputError(fmt::format("{}: no tensor named '{}'", path_.string(), name));
   return *info;
+}
+
+void SafetensorsFile::release_pages(const TensorInfo& info) const {
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t begin = data_start_ + info.begin;
+  const uint64_t end = data_start_ + info.end;
+  // Only whole pages inside the tensor: neighbours sharing a page stay resident.
+  const uint64_t first = (begin + page - 1) / page * page;
+  const uint64_t last = end / page * page;
+  if (last <= first) return;
+  // Advice only: a failure leaves the pages resident, which is harmless.
+  (void)::madvise(const_cast<std::byte*>(map_) + first, last - first, MADV_DONTNEED);
 }
 
 std::span<const std::byte> SafetensorsFile::bytes(const TensorInfo& info) const {

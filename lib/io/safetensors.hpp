@@ -44,6 +44,11 @@ class SafetensorsFile {
   const TensorInfo& at(std::string_view name) const;    // throws InputError if absent
   // Raw little-endian bytes of one tensor; not necessarily aligned.
   std::span<const std::byte> bytes(const TensorInfo& info) const;
+  // Drops the mapped pages of one tensor from this process's resident set
+  // (madvise MADV_DONTNEED; the data is read again from the file if touched).
+  // Layer-by-layer calibration calls it after copying a layer's weights, so
+  // file-backed pages do not make peak RSS grow with depth.
+  void release_pages(const TensorInfo& info) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   uint64_t file_size() const { return file_size_; }
 

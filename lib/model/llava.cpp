@@ -115,6 +115,60 @@ LlavaModel LlavaModel::load(const io::LlavaConfig& config, const TensorSource& s
   return model;
 }
 
+LlavaModel LlavaModel::load_deferred(const std::filesystem::path& dir, torch::Device device,
+                                     torch::ScalarType dtype) {
+  const auto config = io::load_llava_config(dir);
+  auto source = std::make_shared<CheckpointSource>(io::Checkpoint::open(dir));
+  LlavaModel model(config, device, dtype);
+  if (config.tie_word_embeddings || config.text.tie_word_embeddings) {
+    bool has_lm_head = false;
+    for (const auto& name : source->names()) {
+      const auto canonical = canonical_key(name);
+      if (canonical && *canonical == "lm_head.weight") has_lm_head = true;
+    }
+    if (!has_lm_head) model.tie_lm_head();
+  }
+  LoadOptions options;
+  const std::string layers_prefix = std::string(kLanguagePrefix) + ".layers.";
+  for (const auto& item : model.root_->named_parameters(true)) {
+    if (item.key().starts_with(layers_prefix)) options.skip.insert(item.key());
+  }
+  model.layout_ = load_parameters(*model.root_, *source, options).layout;
+  model.deferred_source_ = std::move(source);
+  return model;
+}
+
+void LlavaModel::load_decoder_layer(int64_t layer) {
+  VLMOPT_CHECK(deferred_source_ != nullptr, "load_decoder_layer needs a model from load_deferred");
+  VLMOPT_CHECK(layer >= 0 && layer < language_->num_layers(), "decoder layer {} out of range [0, {})", layer,
+               language_->num_layers());
+  auto& module = *language_->layers[static_cast<std::size_t>(layer)];
+  // Parameters released earlier are empty: give them their shapes back before loading.
+  torch::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters(true)) {
+    if (item.value().numel() == 0) {
+      const auto it = released_shapes_.find(fmt::format("{}.{}", layer, item.key()));
+      VLMOPT_CHECK(it != released_shapes_.end(), "no shape recorded for released parameter {}", item.key());
+      item.value().set_(torch::empty(it->second, item.value().options()));
+    }
+  }
+  const SubtreeSource source(*deferred_source_, fmt::format("{}.layers.{}.", kLanguagePrefix, layer));
+  load_parameters(module, source);
+}
+
+void LlavaModel::release_decoder_layer(int64_t layer) {
+  VLMOPT_CHECK(layer >= 0 && layer < language_->num_layers(), "decoder layer {} out of range [0, {})", layer,
+               language_->num_layers());
+  torch::NoGradGuard no_grad;
+  auto& module = *language_->layers[static_cast<std::size_t>(layer)];
+  for (auto& item : module.named_parameters(true)) {
+    auto param = item.value();
+    if (param.numel() == 0) continue;
+    released_shapes_[fmt::format("{}.{}", layer, item.key())] = param.sizes().vec();
+    param.set_(torch::empty({0}, param.options()));
+  }
+}
+
 LlavaModel LlavaModel::random(const io::LlavaConfig& config, uint64_t seed, torch::Device device,
                               torch::ScalarType dtype) {
   LlavaModel model(config, device, dtype);

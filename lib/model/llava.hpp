@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -64,6 +65,17 @@ class LlavaModel {
                          torch::ScalarType dtype = torch::kFloat32);
   static LlavaModel load(const io::LlavaConfig& config, const TensorSource& source, torch::Device device,
                          torch::ScalarType dtype = torch::kFloat32);
+  // Everything but the decoder layers, whose parameters stay allocated but
+  // untouched (no resident memory) until load_decoder_layer(). For layer-by-layer
+  // calibration of models larger than memory: load layer l, run all samples
+  // through it, release_decoder_layer(l), go on with l+1.
+  static LlavaModel load_deferred(const std::filesystem::path& dir, torch::Device device,
+                                  torch::ScalarType dtype = torch::kFloat32);
+  // Loads decoder layer `layer` from the checkpoint given to load_deferred.
+  void load_decoder_layer(int64_t layer);
+  // Frees the parameters of decoder layer `layer` (they become empty tensors) and
+  // drops their mapped checkpoint pages; the layer cannot run again until reloaded.
+  void release_decoder_layer(int64_t layer);
   // Randomly initialised model of `config` (tests, smoke runs); deterministic in `seed`
   // on every device.
   static LlavaModel random(const io::LlavaConfig& config, uint64_t seed, torch::Device device = torch::kCPU,
@@ -129,6 +141,8 @@ class LlavaModel {
   io::LlavaConfig config_;
   torch::Device device_;
   torch::ScalarType dtype_;
+  std::shared_ptr<const TensorSource> deferred_source_;  // set by load_deferred
+  std::map<std::string, std::vector<int64_t>> released_shapes_;  // "<layer>.<param>" -> shape
   std::unique_ptr<Taps> taps_;  // heap-allocated: modules keep a pointer to it across moves
   std::shared_ptr<torch::nn::Module> root_;
   VisionTower vision_{nullptr};

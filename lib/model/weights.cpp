@@ -84,6 +84,38 @@ KeyLayout detect_layout(const std::vector<std::string>& names) {
 }
 
 TensorSource::~TensorSource() = default;
+void TensorSource::release(std::string_view) const {}
+
+void CheckpointSource::release(std::string_view name) const {
+  const auto [file, info] = checkpoint_.locate(name);
+  file->release_pages(*info);
+}
+
+SubtreeSource::SubtreeSource(const TensorSource& base, std::string canonical_prefix)
+    : base_(base), prefix_(std::move(canonical_prefix)) {
+  for (const auto& name : base_.names()) {
+    const auto canonical = canonical_key(name);
+    if (canonical && canonical->starts_with(prefix_)) on_disk_.emplace(canonical->substr(prefix_.size()), name);
+  }
+}
+
+std::vector<std::string> SubtreeSource::names() const {
+  std::vector<std::string> out;
+  out.reserve(on_disk_.size());
+  for (const auto& [relative, name] : on_disk_) out.push_back(relative);
+  return out;
+}
+
+const std::string& SubtreeSource::on_disk(std::string_view name) const {
+  const auto it = on_disk_.find(name);
+  if (it == on_disk_.end()) throw InputError(fmt::format("{}: no tensor '{}{}'", base_.describe(), prefix_, name));
+  return it->second;
+}
+
+TensorSource::Meta SubtreeSource::meta(std::string_view name) const { return base_.meta(on_disk(name)); }
+torch::Tensor SubtreeSource::load(std::string_view name) const { return base_.load(on_disk(name)); }
+std::string SubtreeSource::describe() const { return fmt::format("{} ({}*)", base_.describe(), prefix_); }
+void SubtreeSource::release(std::string_view name) const { base_.release(on_disk(name)); }
 
 TensorSource::Meta CheckpointSource::meta(std::string_view name) const {
   const auto [file, info] = checkpoint_.locate(name);
@@ -188,7 +220,10 @@ LoadReport load_parameters(torch::nn::Module& root, const TensorSource& source, 
 
   // Pass 2: data.
   torch::NoGradGuard no_grad;
-  for (auto& p : plan) p.param.copy_(source.load(p.on_disk));
+  for (auto& p : plan) {
+    p.param.copy_(source.load(p.on_disk));
+    source.release(p.on_disk);  // the copy is what we keep; mapped file pages need not stay resident
+  }
   return report;
 }
 

@@ -49,6 +49,9 @@ class TensorSource {
   virtual Meta meta(std::string_view name) const = 0;
   virtual torch::Tensor load(std::string_view name) const = 0;  // CPU tensor
   virtual std::string describe() const = 0;                      // for error messages
+  // Hint that `name` will not be loaded again soon: memory-mapped sources drop
+  // its pages from the resident set. Default: nothing.
+  virtual void release(std::string_view name) const;
 };
 
 class CheckpointSource : public TensorSource {
@@ -58,6 +61,7 @@ class CheckpointSource : public TensorSource {
   Meta meta(std::string_view name) const override;
   torch::Tensor load(std::string_view name) const override;
   std::string describe() const override { return checkpoint_.dir().string(); }
+  void release(std::string_view name) const override;
 
  private:
   io::Checkpoint checkpoint_;
@@ -75,6 +79,26 @@ class MapSource : public TensorSource {
  private:
   std::map<std::string, torch::Tensor, std::less<>> tensors_;
   std::string description_;
+};
+
+// The tensors of one module subtree of another source, named relative to it:
+// canonical "model.language_model.layers.3.mlp.up_proj.weight" becomes
+// "mlp.up_proj.weight" for prefix "model.language_model.layers.3." (loading one
+// decoder layer into its module, layer-by-layer calibration).
+class SubtreeSource : public TensorSource {
+ public:
+  SubtreeSource(const TensorSource& base, std::string canonical_prefix);
+  std::vector<std::string> names() const override;
+  Meta meta(std::string_view name) const override;
+  torch::Tensor load(std::string_view name) const override;
+  std::string describe() const override;
+  void release(std::string_view name) const override;
+
+ private:
+  const std::string& on_disk(std::string_view name) const;
+  const TensorSource& base_;
+  std::string prefix_;
+  std::map<std::string, std::string, std::less<>> on_disk_;  // relative name -> base's name
 };
 
 struct LoadOptions {

@@ -1,0 +1,144 @@
+#include "pipeline/pipeline.hpp"
+
+#include "bundle/export.hpp"
+#include "calib/calibrate.hpp"
+#include "eval/evaluate.hpp"
+#include "io/atomic_file.hpp"
+#include "io/safetensors.hpp"
+#include "util/paths.hpp"
+
+#include <fmt/format.h>
+#include <spdlog/spdlog.h>
+
+#include <set>
+
+namespace vlmopt::pipeline {
+
+namespace fs = std::filesystem;
+
+nlohmann::json PipelineOptions::to_json() const {
+  return {{"model", model},           {"device", device},
+          {"calib_data", calib_data}, {"calib_samples", calib_samples},
+          {"scheme", std::string(quant::to_string(scheme))},
+          {"eval_data", eval_data},   {"eval_limit", eval_limit},
+          {"batch_size", batch_size}, {"out", out.string()}};
+}
+
+namespace {
+
+// Bytes of the tensors of `linears` (canonical names; weights, biases and their
+// quantization parameters) in a bundle directory, and of all its tensors.
+std::pair<uint64_t, uint64_t> linear_bytes(const fs::path& dir, const std::set<std::string>& linears) {
+  const auto checkpoint = io::Checkpoint::open(dir);
+  uint64_t part = 0, total = 0;
+  for (const auto& name : checkpoint.names()) {
+    const auto [file, info] = checkpoint.locate(name);
+    total += info->nbytes();
+    const auto dot = name.rfind('.');
+    if (dot != std::string::npos && linears.contains(name.substr(0, dot))) part += info->nbytes();
+  }
+  return {part, total};
+}
+
+}  // namespace
+
+PipelineResult run_pipeline(const PipelineOptions& options) {
+  spdlog::info("pipeline options: {}", options.to_json().dump());
+  PipelineResult result;
+  result.out = options.out;
+  result.summary = {{"options", options.to_json()}, {"steps", nlohmann::json::array()}};
+
+  spdlog::info("pipeline step 1/3: calibrate ({}, {} samples of {})", quant::to_string(options.scheme),
+               options.calib_samples, options.calib_data);
+  calib::CalibrateOptions calibrate;
+  calibrate.model = options.model;
+  calibrate.device = options.device;
+  calibrate.data = options.calib_data;
+  calibrate.samples = options.calib_samples;
+  calibrate.batch_size = options.batch_size;
+  calibrate.scheme = options.scheme;
+  calibrate.out = options.out;
+  auto calibrated = calib::calibrate(calibrate);
+  calibrated["step"] = "calibrate";
+  result.summary["steps"].push_back(calibrated);
+
+  eval::EvalOptions eval_options;
+  eval_options.session.model = options.model;
+  eval_options.session.device = options.device;
+  eval_options.data = options.eval_data;
+  eval_options.limit = options.eval_limit;
+  eval_options.batch_size = options.batch_size;
+  spdlog::info("pipeline step 2/3: eval fp32 on {}", options.eval_data);
+  const auto fp32 = eval::evaluate(eval_options).to_json();
+  spdlog::info("pipeline step 3/3: eval bundle on {}", options.eval_data);
+  eval_options.bundle = options.out.string();
+  const auto quantized = eval::evaluate(eval_options).to_json();
+
+  // Sizes: the quantized Linears' bytes before and after, and the whole checkpoints.
+  const auto plan_report = nlohmann::json::parse(
+      io::read_whole_file(options.out / "vlmopt" / "reports" / "calibration.json", 1ull << 30));
+  std::set<std::string> linears;
+  for (const auto& layer : plan_report.at("layers")) linears.insert(layer.at("name").get<std::string>());
+  const auto [bundle_part, bundle_total] = linear_bytes(options.out, linears);
+  // The source may use the old key layout: count its quantized Linears through the bundle's names.
+  const auto source_dir = resolve_model_dir(options.model);
+  uint64_t source_part = 0, source_total = 0;
+  {
+    const auto source = io::Checkpoint::open(source_dir);
+    for (const auto& name : source.names()) {
+      const auto [file, info] = source.locate(name);
+      source_total += info->nbytes();
+      for (const auto& l : linears) {
+        // canonical "model.language_model.X" is "language_model.model.X" in the old layout
+        const std::string old = "language_model.model." + l.substr(std::string("model.language_model.").size());
+        if (name == l + ".weight" || name == l + ".bias" || name == old + ".weight" || name == old + ".bias") {
+          source_part += info->nbytes();
+          break;
+        }
+      }
+    }
+  }
+  result.summary["fp32"] = fp32;
+  result.summary["bundle"] = quantized;
+  result.summary["accuracy_delta"] = quantized.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
+  result.summary["size"] = {{"quantized_linears_fp32_bytes", source_part},
+                            {"quantized_linears_bundle_bytes", bundle_part},
+                            {"checkpoint_fp32_bytes", source_total},
+                            {"checkpoint_bundle_bytes", bundle_total}};
+
+  // The evaluations become part of the bundle (reports listed in the manifest).
+  bundle::BundleUpdate update;
+  update.step = "pipeline";
+  update.options = options.to_json();
+  const std::string fp32_text = fp32.dump(2) + "\n", bundle_text = quantized.dump(2) + "\n",
+                    summary_text = result.summary.dump(2) + "\n";
+  update.apply = [&](const fs::path& root) {
+    const auto reports = root / "vlmopt" / "reports";
+    fs::create_directories(reports);
+    io::write_file_atomic(reports / "eval_fp32.json", fp32_text);
+    io::write_file_atomic(reports / "eval_bundle.json", bundle_text);
+    io::write_file_atomic(reports / "pipeline.json", summary_text);
+  };
+  bundle::update_bundle(options.out, update);
+  result.summary["report"] = (options.out / "vlmopt" / "reports" / "pipeline.json").string();
+  return result;
+}
+
+std::string PipelineResult::format() const {
+  const auto& s = summary;
+  const auto& fp32 = s.at("fp32");
+  const auto& bundle = s.at("bundle");
+  const auto& size = s.at("size");
+  auto mib = [](const nlohmann::json& v) { return static_cast<double>(v.get<uint64_t>()) / (1024.0 * 1024.0); };
+  return fmt::format(
+      "bundle:  {}\nreport:  {}\n"
+      "accuracy fp32   {:.4f} (n={})\n"
+      "accuracy bundle {:.4f} (n={}), delta {:+.4f}\n"
+      "quantized Linears: {:.2f} MiB fp32 -> {:.2f} MiB in the bundle; checkpoint {:.2f} -> {:.2f} MiB\n",
+      out.string(), s.at("report").get<std::string>(), fp32.at("accuracy").get<double>(), fp32.at("n").get<int64_t>(),
+      bundle.at("accuracy").get<double>(), bundle.at("n").get<int64_t>(), s.at("accuracy_delta").get<double>(),
+      mib(size.at("quantized_linears_fp32_bytes")), mib(size.at("quantized_linears_bundle_bytes")),
+      mib(size.at("checkpoint_fp32_bytes")), mib(size.at("checkpoint_bundle_bytes")));
+}
+
+}  // namespace vlmopt::pipeline
