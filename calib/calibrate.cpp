@@ -13,10 +13,13 @@
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
+#include <malloc.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <fstream>
 #include <functional>
 #include <cmath>
 #include <limits>
@@ -62,6 +65,14 @@ nlohmann::json CalibrateOptions::to_json() const {
 }
 
 namespace {
+
+// Resident set now, from /proc/self/statm (pages), for -v progress logs.
+double current_rss_mib() {
+  std::ifstream statm("/proc/self/statm");
+  long long size = 0, resident = 0;
+  statm >> size >> resident;
+  return static_cast<double>(resident) * static_cast<double>(::sysconf(_SC_PAGESIZE)) / (1024.0 * 1024.0);
+}
 
 double peak_rss_mib() {
   rusage usage{};
@@ -117,6 +128,12 @@ void run_pass(eval::VlmSession& session, const datasets::DatasetSource& data, in
     return;
   }
   torch::NoGradGuard no_grad;
+  // Each layer's weights are allocated and freed in turn. glibc raises its mmap
+  // threshold after the first large free and then serves those blocks from the
+  // heap, where fragmentation keeps them resident: peak memory would grow with
+  // depth again. A fixed threshold keeps every weight-sized block mmapped, so
+  // freeing it returns the memory.
+  ::mallopt(M_MMAP_THRESHOLD, 1 << 20);
   struct Staged {
     torch::Tensor hidden;          // [B,T,D] decoder hidden states
     model::DecoderInputs inputs;   // RoPE tables, masks
@@ -142,6 +159,7 @@ void run_pass(eval::VlmSession& session, const datasets::DatasetSource& data, in
     for (auto& s : staged) s.hidden = lm->run_layers(s.hidden, l, l + 1, s.inputs);
     after_layer(l);
     model.release_decoder_layer(l);
+    spdlog::debug("layerwise: layer {} done, RSS {:.0f} MiB (peak {:.0f} MiB)", l, current_rss_mib(), peak_rss_mib());
     progress.advance();
   }
   // lm_head sees the last position only, as in the whole-model pass (logits_to_keep = 1).
@@ -424,7 +442,14 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
       [&](const std::vector<datasets::Sample>& samples) {
         for (const auto& s : samples) hash_sample(data_hash, s);
       },
-      [&](int64_t layer) { decide_pending(fmt::format("{}.layers.{}.", model::kLanguagePrefix, layer)); });
+      [&](int64_t layer) {
+        const auto prefix = fmt::format("{}.layers.{}.", model::kLanguagePrefix, layer);
+        decide_pending(prefix);
+        // The layer is decided: its sampled tokens are no longer needed, so memory
+        // stays flat with depth (they are the largest per-layer state).
+        for (const auto& point : collector.points())
+          if (point->tap.starts_with(prefix)) point->sample = torch::Tensor();
+      });
   collector.detach();
   run.collect_seconds = std::chrono::duration<double>(Clock::now() - t_collect).count();
   run.dataset_hash = data_hash.hex_digest();

@@ -2,6 +2,7 @@
 // with plain torch (independent of calibrate), from a fixture's reference inputs.
 #pragma once
 
+#include "test_support.hpp"
 #include "bundle/manifest.hpp"
 #include "io/safetensors.hpp"
 #include "io/torch_bridge.hpp"
@@ -27,36 +28,6 @@ inline std::ostream& operator<<(std::ostream& os, const FileEntry& e) {
 namespace vlmopt::testing {
 
 namespace fs = std::filesystem;
-
-inline fs::path fixture_dir(const std::string& name) { return fs::path(VLMOPT_FIXTURES_DIR) / name; }
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_bundle_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-inline std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-inline void write_bytes(const fs::path& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 
 inline quant::Scheme make_scheme(quant::SchemeKind kind, int64_t group_size = 32) {
   quant::Scheme s;

@@ -1,4 +1,5 @@
 // `vlmopt datasets show|vocab` as library functions (datasets/commands.hpp).
+#include "test_support.hpp"
 #include "datasets/commands.hpp"
 #include "datasets/scenes.hpp"
 #include "datasets/source.hpp"
@@ -12,26 +13,10 @@
 #include <random>
 
 namespace {
+using vlmopt::testing::TempDir;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::datasets;
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_cmds_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
 // HDF5 packs (datasets/hdf5_pack.hpp): round trips of builtin and mixed-size
 // JSONL data, atomic writing, and clear errors for invalid or corrupt packs.
+#include "test_support.hpp"
 #include "datasets/commands.hpp"
 #include "datasets/hdf5_pack.hpp"
 #include "datasets/scenes.hpp"
@@ -18,37 +19,12 @@
 #include <thread>
 
 namespace {
+using vlmopt::testing::TempDir;
+using vlmopt::testing::read_bytes;
+using vlmopt::testing::write_bytes;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::datasets;
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_hdf5_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 
 std::size_t find_unique(const std::string& haystack, std::string_view needle) {
   const auto pos = haystack.find(needle);

@@ -1,5 +1,6 @@
 // LLaVA JSONL + image folder datasets (datasets/jsonl.hpp): a dataset built in
 // a temp dir, path-escape refusal (also through symlinks), errors naming the line.
+#include "test_support.hpp"
 #include "datasets/jsonl.hpp"
 #include "datasets/source.hpp"
 #include "util/error.hpp"
@@ -13,27 +14,10 @@
 #include <random>
 
 namespace {
+using vlmopt::testing::TempDir;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::datasets;
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_jsonl_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
 
 void write_text(const fs::path& path, std::string_view text) {
   std::ofstream out(path, std::ios::binary);

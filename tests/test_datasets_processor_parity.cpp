@@ -14,6 +14,7 @@
 //    SigLIP) and a mean of 1/20 level.
 // Python 3 with transformers, Pillow and safetensors is required: a missing
 // interpreter or package fails the test (set VLMOPT_PYTHON to choose one).
+#include "test_support.hpp"
 #include "datasets/jsonl.hpp"
 #include "datasets/processor.hpp"
 #include "io/safetensors.hpp"
@@ -30,6 +31,8 @@
 #include <random>
 
 namespace {
+using vlmopt::testing::TempDir;
+using vlmopt::testing::read_text;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::datasets;
@@ -46,28 +49,6 @@ double one_level(const ImageProcessorConfig& c) {
 }
 
 const fs::path kPhotoDir = "/usr/share/doc/opencv-doc/examples/data";
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_parity_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 std::string shell_quote(const std::string& s) {
   std::string out = "'";

@@ -1,4 +1,5 @@
 // Atomic file writing and SHA-256 hashing (lib/io).
+#include "test_support.hpp"
 #include "io/atomic_file.hpp"
 #include "io/hash.hpp"
 #include "util/error.hpp"
@@ -10,32 +11,11 @@
 #include <vector>
 
 namespace {
+using vlmopt::testing::TempDir;
+using vlmopt::testing::read_text;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::io;
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_atomic_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
 
 void write_text(const fs::path& path, std::string_view text) {
   std::ofstream out(path, std::ios::binary);

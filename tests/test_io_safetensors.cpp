@@ -1,4 +1,5 @@
 // safetensors reader/writer, torch bridge and sharded checkpoints (lib/io).
+#include "test_support.hpp"
 #include "io/safetensors.hpp"
 #include "io/torch_bridge.hpp"
 #include "util/error.hpp"
@@ -13,34 +14,13 @@
 #include <random>
 
 namespace {
+using vlmopt::testing::TempDir;
+using vlmopt::testing::read_bytes;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::io;
 
 // A fresh directory under the system temp dir, removed with everything in it.
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_io_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
 void write_bytes(const fs::path& path, std::string_view bytes) {
   std::ofstream out(path, std::ios::binary);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));

@@ -1,5 +1,6 @@
 // MP-Cache file format (lib/quant/mp_cache), CPU dequantization reference
 // (lib/quant/dequant) and `vlmopt inspect` of an MP-Cache file (lib/bundle/inspect).
+#include "test_support.hpp"
 #include "bundle/inspect.hpp"
 #include "io/hash.hpp"
 #include "quant/dequant.hpp"
@@ -16,36 +17,12 @@
 #include <random>
 
 namespace {
+using vlmopt::testing::TempDir;
+using vlmopt::testing::read_bytes;
+using vlmopt::testing::write_bytes;
 
 namespace fs = std::filesystem;
 using namespace vlmopt::quant;
-
-class TempDir {
- public:
-  TempDir() {
-    std::random_device rd;
-    path_ = fs::temp_directory_path() / fmt::format("vlmopt_test_mpc_{:08x}{:08x}", rd(), rd());
-    fs::create_directories(path_);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-
- private:
-  fs::path path_;
-};
-
-std::string read_bytes(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_bytes(const fs::path& path, std::string_view bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
 
 template <typename T>
 T get_le(const std::string& bytes, std::size_t offset) {
