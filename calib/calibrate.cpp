@@ -273,6 +273,25 @@ quant::QParams runtime_input_qparams(const ActivationStats& stats, const Observe
   return quant::compute_qparams(lo.reshape({1}), hi.reshape({1}), args, convention);
 }
 
+// The session and sample count every calibration pass starts from.
+eval::VlmSession open_session(const CalibrateOptions& options) {
+  eval::SessionOptions session_options;
+  session_options.model = options.model;
+  session_options.device = options.device;
+  session_options.dtype = "float32";
+  session_options.defer_decoder_layers = options.layerwise;
+  return eval::VlmSession::open(session_options);
+}
+
+int64_t samples_to_use(const CalibrateOptions& options, const datasets::DatasetSource& data) {
+  const int64_t available = static_cast<int64_t>(data.size());
+  const int64_t count = options.samples == 0 ? available : std::min(options.samples, available);
+  VLMOPT_CHECK_INPUT(count > 0, "{}: the dataset has no samples", options.data);
+  if (options.samples > available)
+    spdlog::warn("--samples {}: {} has only {} samples; using all of them", options.samples, options.data, available);
+  return count;
+}
+
 }  // namespace
 
 CalibrationRun run_calibration(const CalibrateOptions& options) {
@@ -287,19 +306,10 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
   VLMOPT_CHECK_INPUT(options.percentile > 0.0 && options.percentile <= 100.0,
                      "--percentile: expected a value in (0, 100], got {}", options.percentile);
 
-  eval::SessionOptions session_options;
-  session_options.model = options.model;
-  session_options.device = options.device;
-  session_options.dtype = "float32";
-  session_options.defer_decoder_layers = options.layerwise;
-  auto session = eval::VlmSession::open(session_options);
+  auto session = open_session(options);
   auto& model = session.model();
   const auto data = datasets::open_dataset(options.data);
-  const int64_t available = static_cast<int64_t>(data->size());
-  const int64_t count = options.samples == 0 ? available : std::min(options.samples, available);
-  VLMOPT_CHECK_INPUT(count > 0, "{}: the dataset has no samples", options.data);
-  if (options.samples > available)
-    spdlog::warn("--samples {}: {} has only {} samples; using all of them", options.samples, options.data, available);
+  const int64_t count = samples_to_use(options, *data);
 
   CalibrationRun run;
   run.samples = count;
@@ -524,16 +534,9 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
 }
 
 nlohmann::json time_bare_pass(const CalibrateOptions& options) {
-  eval::SessionOptions session_options;
-  session_options.model = options.model;
-  session_options.device = options.device;
-  session_options.dtype = "float32";
-  session_options.defer_decoder_layers = options.layerwise;
-  auto session = eval::VlmSession::open(session_options);
+  auto session = open_session(options);
   const auto data = datasets::open_dataset(options.data);
-  const int64_t available = static_cast<int64_t>(data->size());
-  const int64_t count = options.samples == 0 ? available : std::min(options.samples, available);
-  VLMOPT_CHECK_INPUT(count > 0, "{}: the dataset has no samples", options.data);
+  const int64_t count = samples_to_use(options, *data);
   const auto t0 = Clock::now();
   run_pass(session, *data, count, options.batch_size, options.layerwise, "forward",
            [](const std::vector<datasets::Sample>&) {}, [](int64_t) {});

@@ -317,7 +317,7 @@ TEST_CASE("update_bundle: replaces tensors, adds files, keeps the manifest consi
   update.step = "compensate";
   update.options = {{"epochs", 3}};
   update.replace_tensors[proj] = new_value;
-  update.apply = [](const fs::path& root) { io::write_file_atomic(root / "vlmopt" / "adapter.safetensors", "stub"); };
+  update.apply = [](const fs::path& root) { io::write_file_atomic(root / "vlmopt" / "adapter.safetensors", "update_bundle test payload"); };
   bundle::update_bundle(out, update);
 
   CHECK(torch::equal(io::load_tensor(io::Checkpoint::open(out), proj), new_value));
