@@ -85,6 +85,38 @@ nlohmann::json db_json(double db) { return std::isfinite(db) ? nlohmann::json(db
 
 double scalar(const torch::Tensor& t) { return t.to(torch::kCPU, torch::kDouble).item<double>(); }
 
+// quant::sqnr_db for whole weights: the same torch ops on the same float64
+// values (so the same sums, bit for bit), written into buffers kept across
+// Linears. The weights' float64 copies and temporaries are planning's largest
+// allocations; fresh ones cost a page fault per 4 KiB, and sqnr_db makes five
+// per Linear.
+class WeightSqnr {
+ public:
+  double db(const torch::Tensor& reference, const torch::Tensor& approx) {
+    VLMOPT_CHECK(reference.sizes() == approx.sizes(), "weight SQNR: shapes differ");
+    const int64_t n = reference.numel();
+    if (!ref_.defined() || ref_.numel() < n || ref_.device() != reference.device()) {
+      const auto options = reference.options().dtype(torch::kDouble);
+      ref_ = torch::empty({n}, options);
+      app_ = torch::empty({n}, options);
+      tmp_ = torch::empty({n}, options);
+    }
+    // Flat views: a full sum over a contiguous tensor reduces it as one dimension either way.
+    auto ref = ref_.narrow(0, 0, n).view(reference.sizes());
+    auto app = app_.narrow(0, 0, n).view(reference.sizes());
+    auto tmp = tmp_.narrow(0, 0, n).view(reference.sizes());
+    ref.copy_(reference.detach());
+    app.copy_(approx.detach());
+    const double signal = torch::square_out(tmp, ref).sum().item<double>();
+    const double noise = torch::sub_out(tmp, ref, app).square_().sum().item<double>();
+    if (noise == 0.0) return std::numeric_limits<double>::infinity();
+    return 10.0 * std::log10(signal / noise);
+  }
+
+ private:
+  torch::Tensor ref_, app_, tmp_;  // float64 [largest weight's numel]
+};
+
 nlohmann::json range_json(const torch::Tensor& range) {
   if (!range.defined()) return nullptr;
   const double lo = scalar(range[0]), hi = scalar(range[1]);
@@ -387,6 +419,15 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
   // pass, or with --layerwise right after all samples went through its layer.
   std::map<std::string, std::pair<quant::LinearQuant, nlohmann::json>> decided;
   std::vector<double> output_sqnr;
+  // The sampled input as the runtime sees it, shared by the Linears of one point
+  // (q/k/v, gate/up come one after the other): quantized once, not per Linear.
+  // Only the last point's is kept, so memory stays flat with --layerwise.
+  struct SampledInput {
+    const ActivationStats* point = nullptr;
+    torch::Tensor x, x_q;
+    nlohmann::json sqnr;
+  } sampled;
+  WeightSqnr weight_sqnr;
   auto decide_linear = [&](const std::string& name, const model::Linear& linear) {
     torch::NoGradGuard no_grad;
     const auto& stats = collector.stats_for(name);
@@ -410,17 +451,24 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
     // outlier input channels (and their weight columns) stay in float.
     nlohmann::json sqnr;
     const auto w_fq = quant::fake_quantize(weight, lq.weight, plan.scheme.weights, options.convention);
-    sqnr["weight"] = db_json(quant::sqnr_db(weight, w_fq));
+    sqnr["weight"] = db_json(weight_sqnr.db(weight, w_fq));
     if (stats.sample.defined() && stats.sample.size(0) > 0) {
-      const auto x = stats.sample.to(weight.device());
       const auto keep = lq.outlier_channels.to(weight.device());
-      auto x_q = x;
-      if (lq.input) {
-        x_q = quant::fake_quantize(x, *lq.input, *plan.scheme.input_activations, options.convention);
-        x_q = torch::where(keep.unsqueeze(0), x, x_q);
-        sqnr["input"] = db_json(quant::sqnr_db(x, x_q));
+      // With no outlier channel, where(keep, float, quantized) is the quantized tensor itself.
+      const bool any_outlier = lq.outlier_channels.any().item<bool>();
+      if (sampled.point != &stats) {
+        sampled = SampledInput{&stats, stats.sample.to(weight.device()), torch::Tensor(), nullptr};
+        sampled.x_q = sampled.x;
+        if (lq.input) {
+          sampled.x_q = quant::fake_quantize(sampled.x, *lq.input, *plan.scheme.input_activations, options.convention);
+          if (any_outlier) sampled.x_q = torch::where(keep.unsqueeze(0), sampled.x, sampled.x_q);
+          sampled.sqnr = db_json(quant::sqnr_db(sampled.x, sampled.x_q));
+        }
       }
-      const auto w_runtime = torch::where(keep.unsqueeze(0), weight, w_fq);
+      const auto& x = sampled.x;
+      const auto& x_q = sampled.x_q;
+      if (lq.input) sqnr["input"] = sampled.sqnr;
+      const auto w_runtime = any_outlier ? torch::where(keep.unsqueeze(0), weight, w_fq) : w_fq;
       const double out_db = quant::sqnr_db(torch::matmul(x, weight.t()), torch::matmul(x_q, w_runtime.t()));
       sqnr["output"] = db_json(out_db);
       if (std::isfinite(out_db)) output_sqnr.push_back(out_db);

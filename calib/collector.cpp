@@ -1,9 +1,10 @@
 #include "calib/collector.hpp"
 
+#include "calib/row_stats.hpp"
 #include "util/error.hpp"
 
 #include <algorithm>
-#include <regex>
+#include <optional>
 
 namespace vlmopt::calib {
 
@@ -93,6 +94,20 @@ const ActivationStats& ActivationCollector::stats_for(const std::string& linear)
   return *it->second;
 }
 
+void ActivationStats::add_range(Modality modality, int64_t tokens, const torch::Tensor& cmin32,
+                                const torch::Tensor& cmax32) {
+  channel_min = min_or(channel_min, cmin32);
+  channel_max = max_or(channel_max, cmax32);
+  const auto range = torch::stack({cmin32.min(), cmax32.max()});
+  if (modality == Modality::kImage) {
+    image_range = combine_range(image_range, range);
+    image_tokens += tokens;
+  } else {
+    text_range = combine_range(text_range, range);
+    text_tokens += tokens;
+  }
+}
+
 void ActivationCollector::observe(ActivationStats& s, const torch::Tensor& x_in, const model::TapContext& context) {
   torch::NoGradGuard no_grad;
   const auto x = x_in.detach();
@@ -101,43 +116,41 @@ void ActivationCollector::observe(ActivationStats& s, const torch::Tensor& x_in,
   // Decoder and lm_head taps carry the image-token mask; the vision tower and the
   // projector see image content only.
   const bool decoder = !(s.tap.starts_with("model.vision_tower.") || s.tap.starts_with("model.multi_modal_projector."));
-  torch::Tensor image_rows, text_rows;
   // lm_head with logits_to_keep sees fewer positions than the masks describe:
   // those are the last (text) positions, taken as they are.
   const bool masks_fit = (context.image_mask == nullptr || context.image_mask->numel() == rows.size(0)) &&
                          (context.attention_mask == nullptr || context.attention_mask->numel() == rows.size(0));
+  // Every row of one modality (no masks apply), or per-row classes from the masks.
+  std::optional<Modality> only;
+  torch::Tensor valid, image;  // bool [rows] on the masks' device
   if (decoder && !masks_fit) {
-    text_rows = rows;
+    only = Modality::kText;
   } else if (decoder) {
-    const auto valid = context.attention_mask != nullptr ? (context.attention_mask->reshape({-1}) != 0)
-                                                         : torch::ones({rows.size(0)}, rows.options().dtype(torch::kBool));
-    if (context.image_mask != nullptr) {
-      const auto image = context.image_mask->reshape({-1});
-      image_rows = rows.index({image & valid});
-      text_rows = rows.index({valid & image.logical_not()});
-    } else {
-      text_rows = rows.index({valid});
-    }
+    valid = context.attention_mask != nullptr ? (context.attention_mask->reshape({-1}) != 0)
+                                              : torch::ones({rows.size(0)}, rows.options().dtype(torch::kBool));
+    if (context.image_mask != nullptr) image = context.image_mask->reshape({-1});
   } else {
-    image_rows = rows;
+    only = Modality::kImage;
+  }
+  if (row_stats_supported(rows)) {
+    observe_fused(s, rows.contiguous(), only, valid, image);
+    return;
   }
 
+  torch::Tensor image_rows, text_rows;
+  if (only) {
+    (*only == Modality::kImage ? image_rows : text_rows) = rows;
+  } else if (image.defined()) {
+    image_rows = rows.index({image & valid});
+    text_rows = rows.index({valid & image.logical_not()});
+  } else {
+    text_rows = rows.index({valid});
+  }
   auto update = [&](const torch::Tensor& part, Modality modality) {
     if (!part.defined() || part.size(0) == 0) return;
     const auto [cmin, cmax] = torch::aminmax(part, 0);  // [in] each
-    const auto cmin32 = cmin.to(torch::kFloat32), cmax32 = cmax.to(torch::kFloat32);
-    s.channel_min = min_or(s.channel_min, cmin32);
-    s.channel_max = max_or(s.channel_max, cmax32);
-    const auto range = torch::stack({cmin32.min(), cmax32.max()});
-    if (modality == Modality::kImage) {
-      s.image_range = combine_range(s.image_range, range);
-      s.image_tokens += part.size(0);
-      if (s.image) s.image->observe(part);
-    } else {
-      s.text_range = combine_range(s.text_range, range);
-      s.text_tokens += part.size(0);
-      if (s.text) s.text->observe(part);
-    }
+    s.add_range(modality, part.size(0), cmin.to(torch::kFloat32), cmax.to(torch::kFloat32));
+    if (auto& observer = modality == Modality::kImage ? s.image : s.text) observer->observe(part);
     s.fp16.observe(part);
     const int64_t have = s.sample.defined() ? s.sample.size(0) : 0;
     if (have < options_.sample_tokens) {
@@ -148,6 +161,55 @@ void ActivationCollector::observe(ActivationStats& s, const torch::Tensor& x_in,
   };
   update(image_rows, Modality::kImage);
   update(text_rows, Modality::kText);
+}
+
+// The CPU path: one fused pass (calib/row_stats) gives both modalities' channel
+// ranges, token counts and FP16 figures; observers get the rows in place with
+// their per-channel min / max. Same statistics as the torch path above.
+void ActivationCollector::observe_fused(ActivationStats& s, const torch::Tensor& rows, std::optional<Modality> only,
+                                        const torch::Tensor& valid, const torch::Tensor& image) {
+  torch::Tensor row_class;  // uint8 [rows]: kImageRow / kTextRow / kSkipRow (padding)
+  std::vector<ClassRowStats> stats;
+  if (only) {
+    stats = row_stats(rows, {}, 1);
+  } else {
+    const auto valid_cpu = valid.to(torch::kCPU);
+    if (image.defined()) {
+      const auto image_cpu = image.to(torch::kCPU, torch::kBool);
+      row_class = torch::where(image_cpu, kImageRow, kTextRow).to(torch::kUInt8) * valid_cpu.to(torch::kUInt8);
+    } else {
+      row_class = valid_cpu.to(torch::kUInt8) * kTextRow;
+    }
+    stats = row_stats(rows, row_class, 2);
+  }
+  auto update = [&](Modality modality) {
+    const uint8_t value = modality == Modality::kImage ? kImageRow : kTextRow;
+    if (only && *only != modality) return;
+    const ClassRowStats& cs = only ? stats[0] : stats[value - 1];
+    if (cs.rows == 0) return;
+    s.add_range(modality, cs.rows, cs.min, cs.max);
+    ActivationBatch batch;
+    batch.rows = rows;
+    batch.row_class = row_class;
+    batch.row_class_value = value;
+    batch.count = cs.rows;
+    batch.channel_min = cs.min;
+    batch.channel_max = cs.max;
+    if (auto& observer = modality == Modality::kImage ? s.image : s.text) observer->observe(batch);
+    s.fp16.add(cs.fp16);
+    const int64_t have = s.sample.defined() ? s.sample.size(0) : 0;
+    if (have < options_.sample_tokens) {
+      // The first tokens of this modality, in order (as the torch path's slice of its rows).
+      const int64_t want = std::min(cs.rows, options_.sample_tokens - have);
+      const auto take = row_class.defined()
+                            ? rows.index_select(0, (row_class == value).nonzero().reshape({-1}).slice(0, 0, want))
+                            : rows.slice(0, 0, want);
+      const auto take32 = take.to(torch::kFloat32);
+      s.sample = s.sample.defined() ? torch::cat({s.sample, take32}) : take32.clone();
+    }
+  };
+  update(Modality::kImage);
+  update(Modality::kText);
 }
 
 void ActivationCollector::merge(ActivationCollector& other) {

@@ -16,6 +16,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,9 @@ struct ActivationStats {
   }
   // Combined observer (image merged with text): what the scale is computed from.
   std::unique_ptr<Observer> combined(const ObserverOptions& options) const;
+  // Adds one batch of `tokens` rows of `modality` with per-channel min / max
+  // (float32 [in]) to channel_min / channel_max, the modality's range and token count.
+  void add_range(Modality modality, int64_t tokens, const torch::Tensor& cmin32, const torch::Tensor& cmax32);
 };
 
 struct CollectorOptions {
@@ -75,6 +79,9 @@ class ActivationCollector {
 
  private:
   void observe(ActivationStats& stats, const torch::Tensor& x, const model::TapContext& context);
+  // CPU rows [N, in] (contiguous): every row of `only`, or classes from the bool [N] masks.
+  void observe_fused(ActivationStats& stats, const torch::Tensor& rows, std::optional<Modality> only,
+                     const torch::Tensor& valid, const torch::Tensor& image);
   model::Taps* taps_;
   CollectorOptions options_;
   std::vector<std::unique_ptr<ActivationStats>> points_;

@@ -85,9 +85,30 @@ void Fp16Counter::observe(const torch::Tensor& x) {
   }
 }
 
+namespace {
+// NaN-propagating max, as torch::maximum (std::max would drop a NaN in `b`).
+double max_propagating_nan(double a, double b) {
+  return std::isnan(a) || std::isnan(b) ? std::nan("") : std::max(a, b);
+}
+
+// Folds b into a like Fp16Counter's tensors do: counts add, extrema max with NaN
+// propagating. Fp16Safety{} (zero counts, max_abs 0, no nonzero minimum) is its identity.
+void accumulate(Fp16Safety& a, const Fp16Safety& b) {
+  a.elements += b.elements;
+  a.overflow += b.overflow;
+  a.subnormal += b.subnormal;
+  a.underflow += b.underflow;
+  a.max_abs = max_propagating_nan(a.max_abs, b.max_abs);
+  if (b.min_abs_nonzero > 0.0)
+    a.min_abs_nonzero = a.min_abs_nonzero > 0.0 ? std::min(a.min_abs_nonzero, b.min_abs_nonzero) : b.min_abs_nonzero;
+}
+}  // namespace
+
+void Fp16Counter::add(const Fp16Safety& batch) { accumulate(added_, batch); }
+
 Fp16Safety Fp16Counter::result() const {
   Fp16Safety s;
-  if (!counts_.defined()) return s;
+  if (!counts_.defined()) return added_;
   const auto c = counts_.to(torch::kCPU);
   const auto e = extrema_.to(torch::kCPU);
   s.elements = c[0].item<int64_t>();
@@ -97,6 +118,7 @@ Fp16Safety Fp16Counter::result() const {
   s.max_abs = e[0].item<double>();
   const double min_nonzero = -e[1].item<double>();
   s.min_abs_nonzero = std::isfinite(min_nonzero) ? min_nonzero : 0.0;
+  accumulate(s, added_);  // an identity when nothing was added
   return s;
 }
 

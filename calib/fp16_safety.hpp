@@ -41,11 +41,16 @@ struct Fp16Safety {
 class Fp16Counter {
  public:
   void observe(const torch::Tensor& x);  // any shape, floating
+  // Adds a batch whose figures were computed elsewhere (calib/row_stats: the
+  // collector's fused CPU pass), with the same result as observe() of that batch:
+  // counts add, max |x| is maxed with NaN propagating as in torch::maximum.
+  void add(const Fp16Safety& batch);
   Fp16Safety result() const;
 
  private:
   torch::Tensor counts_;   // int64 [4]: elements, overflow, subnormal, underflow
   torch::Tensor extrema_;  // float64 [2]: max |x|, -min nonzero |x| (both maxed)
+  Fp16Safety added_;       // the sum of add() batches
 };
 
 }  // namespace vlmopt::calib

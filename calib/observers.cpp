@@ -1,6 +1,7 @@
 // Calibration observers (see observers.hpp for the algorithms and layouts).
 #include "calib/observers.hpp"
 
+#include "calib/row_stats.hpp"
 #include "quant/qparams.hpp"
 #include "util/error.hpp"
 
@@ -75,8 +76,9 @@ class MinMaxObserver final : public Observer {
   explicit MinMaxObserver(const ObserverOptions& options) : Observer(options) {}
 
  private:
-  void update(const torch::Tensor& x) override {
-    auto [mn, mx] = reduce_minmax(x);
+  void update(const Batch& batch) override {
+    const auto& mn = batch.min;
+    const auto& mx = batch.max;
     if (!min_.defined()) {
       min_ = mn;
       max_ = mx;
@@ -110,8 +112,10 @@ class MovingAverageObserver final : public Observer {
   explicit MovingAverageObserver(const ObserverOptions& options) : Observer(options) {}
 
  private:
-  void update(const torch::Tensor& x) override {
-    auto [mn, mx] = reduce_minmax(x);
+  void update(const Batch& batch) override {
+    // The batch min / max are exactly torch.ao's per-batch reduction.
+    const auto& mn = batch.min;
+    const auto& mx = batch.max;
     if (!min_.defined()) {
       min_ = mn;
       max_ = mx;
@@ -145,9 +149,11 @@ class MseObserver final : public Observer {
   explicit MseObserver(const ObserverOptions& options) : Observer(options) {}
 
  private:
-  void update(const torch::Tensor& observed) override {
-    const torch::Tensor x = observed.to(torch::kFloat);
-    auto [mn, mx] = reduce_minmax(x);
+  void update(const Batch& batch) override {
+    const torch::Tensor x = batch.values().to(torch::kFloat);
+    // The min / max of x in its own dtype equal those of its float32 copy.
+    const auto& mn = batch.min;
+    const auto& mx = batch.max;
     auto best_error = torch::full_like(mn, std::numeric_limits<float>::max());
     auto best_min = mn.clone();
     auto best_max = mx.clone();
@@ -235,38 +241,56 @@ int64_t entropy_candidate(const std::vector<int64_t>& counts, int64_t levels) {
   std::vector<double> log_bins(n, 0.0);
   for (int64_t j = 0; j < n; ++j) log_bins[j] = bins[j] > 0 ? std::log(bins[j]) : 0.0;
 
+  // p[j] = bins[j] / total and the non-empty bins in order: the sums below add
+  // exactly the terms of the definition, in the same order, without a division
+  // per candidate and bin (the search is O(bins^2)).
+  std::vector<double> p(n);
+  std::vector<int64_t> nonempty;
+  for (int64_t j = 0; j < n; ++j) {
+    p[j] = bins[j] / total;
+    if (bins[j] > 0) nonempty.push_back(j);
+  }
+  std::vector<int64_t> level_of(n);  // floor(j * levels / i) for the current candidate i
   std::vector<double> level_sum(levels);
   std::vector<int64_t> level_nonzero(levels);
   std::vector<double> log_level_mean(levels);
   int64_t best_i = n;
   double best_kl = std::numeric_limits<double>::infinity();
   for (int64_t i = std::min(kEntropyStartBin, n); i <= n; ++i) {
-    std::fill(level_sum.begin(), level_sum.end(), 0.0);
-    std::fill(level_nonzero.begin(), level_nonzero.end(), 0);
+    // Stepping j: j * levels = level * i + remainder with 0 <= remainder < i.
+    int64_t level = 0, remainder = 0;
     for (int64_t j = 0; j < i; ++j) {
-      if (bins[j] > 0) {
-        const int64_t level = j * levels / i;
-        level_sum[level] += bins[j];
-        ++level_nonzero[level];
+      level_of[j] = level;
+      remainder += levels;
+      while (remainder >= i) {
+        remainder -= i;
+        ++level;
       }
     }
+    std::fill(level_sum.begin(), level_sum.end(), 0.0);
+    std::fill(level_nonzero.begin(), level_nonzero.end(), 0);
+    for (int64_t j : nonempty) {
+      if (j >= i) break;
+      level_sum[level_of[j]] += bins[j];
+      ++level_nonzero[level_of[j]];
+    }
     double sum_q = 0.0;  // Q spreads each level's mass over its non-empty bins: sum(Q) = sum of those bins
-    for (int64_t level = 0; level < levels; ++level) {
-      sum_q += level_sum[level];
-      log_level_mean[level] =
-          level_nonzero[level] > 0 ? std::log(level_sum[level] / static_cast<double>(level_nonzero[level])) : 0.0;
+    for (int64_t l = 0; l < levels; ++l) {
+      sum_q += level_sum[l];
+      log_level_mean[l] = level_nonzero[l] > 0 ? std::log(level_sum[l] / static_cast<double>(level_nonzero[l])) : 0.0;
     }
     // KL = sum p_j log(p_j / q_j) with p = P / total, q = Q / sum_q:
     // log(p_j / q_j) = log P_j - log Q_j + (log sum_q - log total).
     const double offset = std::log(sum_q) - std::log(total);
     double kl = 0.0;
-    for (int64_t j = 0; j + 1 < i; ++j) {
-      if (bins[j] > 0) kl += bins[j] / total * (log_bins[j] - log_level_mean[j * levels / i] + offset);
+    for (int64_t j : nonempty) {
+      if (j + 1 >= i) break;
+      kl += p[j] * (log_bins[j] - log_level_mean[level_of[j]] + offset);
     }
     const double last = bins[i - 1] + tail[i];  // P[i-1] carries everything beyond the candidate
     if (last > 0) {
       if (bins[i - 1] > 0) {
-        kl += last / total * (std::log(last) - log_level_mean[(i - 1) * levels / i] + offset);
+        kl += last / total * (std::log(last) - log_level_mean[level_of[i - 1]] + offset);
       } else {
         kl = std::numeric_limits<double>::infinity();  // P has mass where Q has none
       }
@@ -289,9 +313,9 @@ class HistogramObserver final : public Observer {
   }
 
  private:
-  void update(const torch::Tensor& observed) override {
-    const torch::Tensor x = observed.to(torch::kFloat);
-    auto [mn, mx] = reduce_minmax(x);
+  void update(const Batch& batch) override {
+    const auto& mn = batch.min;
+    const auto& mx = batch.max;
     if (!min_.defined()) {
       min_ = mn;
       max_ = mx;
@@ -306,19 +330,32 @@ class HistogramObserver final : public Observer {
     absmax_ = std::max(absmax_, batch_absmax);
     cached_amax_.reset();
     if (batch_absmax == 0.0) {
-      add_zeros(x.numel());
+      add_zeros(batch.elements);
       return;
     }
     if (!counts_.defined()) {
       exponent_ = first_width_exponent(batch_absmax, options_.histogram_bins);
-      counts_ = torch::zeros({bins_needed(batch_absmax, exponent_)}, x.options().dtype(torch::kLong));
+      counts_ = torch::zeros({bins_needed(batch_absmax, exponent_)}, mn.options().dtype(torch::kLong));
       add_zeros(pending_zeros_);
       pending_zeros_ = 0;
     }
     fit(batch_absmax);
     // |x| * 2^-e is exact in float32, so floor() gives the true bin, below counts_.size(0) by fit().
+    // On the CPU one pass bins the rows where they are (same float32 arithmetic, same counts).
+    const bool cpu_binning = counts_.device().is_cpu() && exponent_ >= -126 && exponent_ <= 126 &&
+                             counts_.size(0) <= (int64_t{1} << 24);
+    if (cpu_binning && batch.rows != nullptr && row_stats_supported(batch.rows->rows)) {
+      add_abs_histogram(batch.rows->rows, batch.rows->row_class, batch.rows->row_class_value, exponent_, counts_);
+      return;
+    }
+    const torch::Tensor x = batch.values();
+    if (cpu_binning && x.dim() > 0 && row_stats_supported(x.reshape({-1, x.size(-1)}))) {
+      add_abs_histogram(x.reshape({-1, x.size(-1)}), {}, 0, exponent_, counts_);
+      return;
+    }
     // bincount: integer counts, deterministic; on CUDA it reads the index range back (two more syncs).
-    const torch::Tensor index = torch::floor(x.abs().flatten() * std::ldexp(1.0, -exponent_)).to(torch::kLong);
+    const torch::Tensor index =
+        torch::floor(x.to(torch::kFloat).abs().flatten() * std::ldexp(1.0, -exponent_)).to(torch::kLong);
     counts_ += torch::bincount(index, {}, counts_.size(0));
   }
 
@@ -473,12 +510,16 @@ void Observer::check_shape(const torch::Tensor& x) {
     VLMOPT_CHECK_INPUT(x.dim() >= 1, "observer {}: expected activations [..., in], got a scalar", kind);
     layout = {x.size(-1)};
   }
+  check_layout(layout, x.sizes());
+}
+
+void Observer::check_layout(const std::vector<int64_t>& layout, c10::IntArrayRef shape) {
   if (count_ == 0 && seen_shape_.empty()) {
     seen_shape_ = layout;
     return;
   }
-  VLMOPT_CHECK(layout == seen_shape_, "observer {}: observed shape {} does not match earlier layout {}", kind,
-               shape_str(x.sizes()), shape_str(seen_shape_));
+  VLMOPT_CHECK(layout == seen_shape_, "observer {}: observed shape {} does not match earlier layout {}",
+               to_string(options_.kind), shape_str(shape), shape_str(seen_shape_));
 }
 
 void Observer::observe(const torch::Tensor& x) {
@@ -487,8 +528,55 @@ void Observer::observe(const torch::Tensor& x) {
   if (x.numel() == 0) return;
   check_shape(x);
   torch::NoGradGuard no_grad;
-  update(x.detach());
-  count_ += x.numel();
+  const torch::Tensor values = x.detach();
+  Batch batch;
+  std::tie(batch.min, batch.max) = reduce_minmax(values);
+  batch.elements = values.numel();
+  batch.x = &values;
+  update(batch);
+  count_ += batch.elements;
+}
+
+void Observer::observe(const ActivationBatch& rows) {
+  const auto kind = to_string(options_.kind);
+  VLMOPT_CHECK(options_.target == ObserverTarget::kActivation, "observer {}: batches of rows are activations", kind);
+  VLMOPT_CHECK(rows.rows.defined() && rows.rows.is_floating_point() && rows.rows.dim() == 2,
+               "observer {}: expected float activation rows [N, C]", kind);
+  if (rows.count == 0) return;
+  const int64_t channels = rows.rows.size(1);
+  VLMOPT_CHECK(rows.channel_min.defined() && rows.channel_max.defined() &&
+                   rows.channel_min.scalar_type() == torch::kFloat && rows.channel_max.scalar_type() == torch::kFloat &&
+                   rows.channel_min.dim() == 1 && rows.channel_min.size(0) == channels &&
+                   rows.channel_max.sizes() == rows.channel_min.sizes(),
+               "observer {}: expected float32 per-channel min / max [{}]", kind, channels);
+  const std::vector<int64_t> layout =
+      options_.args.strategy == Strategy::kTensor ? std::vector<int64_t>{} : std::vector<int64_t>{channels};
+  check_layout(layout, {rows.count, channels});
+  torch::NoGradGuard no_grad;
+  Batch batch;
+  if (options_.args.strategy == Strategy::kTensor) {
+    // min over the channels' minima is the min over all values (NaN propagates in both).
+    batch.min = rows.channel_min.min().reshape({1});
+    batch.max = rows.channel_max.max().reshape({1});
+  } else {
+    batch.min = rows.channel_min;
+    batch.max = rows.channel_max;
+  }
+  batch.elements = rows.count * channels;
+  batch.rows = &rows;
+  update(batch);
+  count_ += batch.elements;
+}
+
+torch::Tensor Observer::Batch::values() const {
+  if (x != nullptr) return *x;
+  VLMOPT_CHECK(rows != nullptr, "observer batch without values");
+  return rows->values();
+}
+
+torch::Tensor ActivationBatch::values() const {
+  if (!row_class.defined()) return rows;
+  return rows.index({(row_class == row_class_value).to(rows.device())});
 }
 
 std::pair<torch::Tensor, torch::Tensor> Observer::reduce_minmax(const torch::Tensor& x) const {

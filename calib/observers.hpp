@@ -51,8 +51,9 @@
 // Cost: observe() queues only device work for minmax and moving-average (one
 // aminmax, a few element-wise ops on the statistics; no host synchronisation).
 // Histogram kinds read max|x| back once per observe() to size the histogram
-// (torch::bincount adds two more read-backs on CUDA); mse synchronises once per
-// search step.
+// (torch::bincount adds two more read-backs on CUDA; on the CPU, float rows are
+// binned in one pass by calib/row_stats, with the same counts); mse synchronises
+// once per search step.
 #pragma once
 
 #include "quant/scheme.hpp"
@@ -91,6 +92,20 @@ struct ObserverOptions {
   int64_t mse_patience = 5;          // mse: stop after this many steps without improvement
 };
 
+// A batch of activations handed over as a selection of rows of a larger tensor,
+// with its per-channel min / max already computed (calib/row_stats): how the
+// collector feeds each modality's rows without copying them out.
+struct ActivationBatch {
+  torch::Tensor rows;               // [N, C]: the tapped activations (any float dtype and device)
+  torch::Tensor row_class;          // uint8 [N] on the CPU, or undefined: every row belongs to the batch
+  uint8_t row_class_value = 1;      // the batch = the rows whose row_class equals this
+  int64_t count = 0;                // rows in the batch
+  torch::Tensor channel_min, channel_max;  // float32 [C]: per-channel min / max over the batch's rows
+
+  // The batch's rows copied out, [count, C] (rows itself when row_class is undefined).
+  torch::Tensor values() const;
+};
+
 // Counts of |x| per bin; bin k covers [k * 2^width_exponent, (k+1) * 2^width_exponent).
 struct Histogram {
   torch::Tensor counts;    // int64 [bins], on the observer's device
@@ -107,6 +122,13 @@ class Observer {
   // Adds one tensor (weight [out,in], or activations [..., in]) to the
   // statistics. Empty tensors are ignored. Statistics live on x's device.
   void observe(const torch::Tensor& x);
+  // The same state as observe(batch.values()), for target activation, reading
+  // only what each kind needs: minmax and moving-average use the batch's
+  // channel_min / channel_max alone (no pass over the rows); percentile and
+  // entropy take the range from there and bin the selected rows in place (CPU
+  // float32 / bfloat16 / half rows; else on a copy); mse copies the rows out.
+  // count == 0 is ignored.
+  void observe(const ActivationBatch& batch);
 
   // Scale / zero point from the selected range; requires count() > 0.
   quant::QParams qparams() const;
@@ -127,8 +149,15 @@ class Observer {
 
  protected:
   explicit Observer(ObserverOptions options);
-  // x in its own float dtype, detached, numel > 0, shape already checked against options().
-  virtual void update(const torch::Tensor& x) = 0;
+  // One non-empty batch to add, shape already checked against options().
+  struct Batch {
+    torch::Tensor min, max;                   // the batch's min / max in the layout above, float32
+    int64_t elements = 0;                     // values in the batch
+    const torch::Tensor* x = nullptr;         // the values (own float dtype, detached), or
+    const ActivationBatch* rows = nullptr;    // the rows that hold them
+    torch::Tensor values() const;             // *x, or the selected rows copied out
+  };
+  virtual void update(const Batch& batch) = 0;
   virtual void merge_from(const Observer& other) = 0;
   virtual std::pair<torch::Tensor, torch::Tensor> selected_range() const = 0;
 
@@ -142,6 +171,7 @@ class Observer {
 
  private:
   void check_shape(const torch::Tensor& x);
+  void check_layout(const std::vector<int64_t>& layout, c10::IntArrayRef shape);
   std::vector<int64_t> seen_shape_;  // the layout-defining dims of the first observed x
 };
 

@@ -1,5 +1,6 @@
 #include "eval/session.hpp"
 
+#include "model/prune_config.hpp"
 #include "runtime/runtime.hpp"
 #include "tokenizer/prompt.hpp"
 #include "util/error.hpp"
@@ -8,6 +9,8 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <optional>
 #include <cctype>
 
 namespace vlmopt::eval {
@@ -50,6 +53,7 @@ VlmSession VlmSession::open(const SessionOptions& options) {
     runtime::RuntimeOptions runtime_options;
     runtime_options.kernels = runtime::parse_kernel_kind(options.kernels);
     runtime_options.use_mp_cache = options.use_mp_cache;
+    runtime_options.straight_through = options.straight_through;
     runtime_options.dtype = parse_dtype_name(options.dtype);
     return std::move(runtime::load_bundle(dir, device, runtime_options).model);
   }();
@@ -58,7 +62,38 @@ VlmSession VlmSession::open(const SessionOptions& options) {
   if (options.prompt_template.find("{question}") == std::string::npos)
     throw InputError("--prompt-template: must contain '{question}'");
   spdlog::debug("session: {} on {} ({})", dir.string(), options.device, options.dtype);
-  return VlmSession(options, dir, std::move(model), std::move(tok), std::move(processor));
+  VlmSession session(options, dir, std::move(model), std::move(tok), std::move(processor));
+  session.apply_prune_options();
+  return session;
+}
+
+void VlmSession::apply_prune_options() {
+  const auto& p = options_.prune;
+  std::optional<model::PrunePlan> plan;
+  if (!p.rule.empty()) {
+    plan.emplace();
+    plan->rule = model::parse_prune_rule(p.rule, "--prune-rule");
+    plan->min_keep = plan->rule == model::PruneRule::kDual ? p.floor : 0.0;
+    plan->seed = p.seed;
+    plan->steps.push_back({p.layer, p.threshold, p.keep});
+    prune_description_ = plan->rule == model::PruneRule::kDual
+                             ? fmt::format("vlmopt after layer {} threshold {} floor {}", p.layer, p.threshold, p.floor)
+                             : fmt::format("{} after layer {} keep {}", p.rule, p.layer, p.keep);
+  } else {
+    std::filesystem::path file = p.config;
+    if (file.empty() && p.apply_bundle_plan && !options_.bundle.empty()) {
+      const auto candidate = std::filesystem::path(options_.bundle) / model::kPruneFile;
+      if (std::filesystem::exists(candidate)) file = candidate;
+    }
+    if (!file.empty()) {
+      const auto config = model::read_prune_config(file);
+      plan = config.plan(p.scenario);
+      prune_description_ = fmt::format("{} (scenario {})", file.string(),
+                                       p.scenario.empty() ? config.default_scenario : p.scenario);
+    }
+  }
+  model_.set_prune_plan(plan);
+  if (plan) spdlog::info("pruning: {}", prune_description_);
 }
 
 std::vector<int64_t> VlmSession::prompt_ids(const std::string& question) const {

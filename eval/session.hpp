@@ -19,6 +19,21 @@ namespace vlmopt::eval {
 // LLaVA-1.5's conversation format; `{question}` is replaced, `<image>` expands to the image tokens.
 inline constexpr const char* kDefaultPromptTemplate = "USER: <image>\n{question} ASSISTANT:";
 
+// Which visual-token pruning plan a session applies (design.md §7), in this order:
+// an ad-hoc single-step `rule` (baselines), else the prune.json at `config`, else the
+// bundle's vlmopt/prune.json when `apply_bundle_plan`, else none.
+struct PruneOptions {
+  bool apply_bundle_plan = true;  // false: --no-prune
+  std::string config;             // a prune.json to apply ("" = the bundle's, if any)
+  std::string scenario;           // scenario of the prune.json ("" = its default_scenario)
+  std::string rule;               // "vlmopt" | "fastv" | "random": ad-hoc plan ("" = none)
+  int64_t layer = 1;              // ad-hoc: prune after this decoder layer (FastV K=2 -> 1)
+  double keep = 0.5;              // ad-hoc fastv/random: kept fraction of the visual tokens
+  double threshold = 1.0;         // ad-hoc vlmopt: score threshold
+  double floor = 0.3;             // ad-hoc vlmopt: at least this fraction kept
+  uint64_t seed = 0;              // ad-hoc random
+};
+
 struct SessionOptions {
   std::string model = "builtin";  // "builtin" or an HF model directory
   std::string device = "cpu";     // "cpu" | "cuda" | "cuda:N"
@@ -31,6 +46,10 @@ struct SessionOptions {
   std::string bundle;
   std::string kernels = "fake";  // bundle kernels: "fake" | "int8" (runtime::KernelKind)
   bool use_mp_cache = true;      // false: what compressed-tensors computes (no FP16 outlier channels)
+  PruneOptions prune;
+  // Bundle fake-quant kernels pass gradients straight through the input rounding
+  // (runtime::RuntimeOptions::straight_through): prune-fit's task sensitivity on a bundle.
+  bool straight_through = false;
 };
 
 // One model input batch: left-padded ids and mask [B,T], pixel values [B,3,H,W].
@@ -51,6 +70,10 @@ class VlmSession {
   const datasets::ImageProcessorConfig& processor() const { return processor_; }
   const std::filesystem::path& model_dir() const { return model_dir_; }
   const SessionOptions& options() const { return options_; }
+  // The pruning plan in use, as text ("none", "fastv after layer 1 keep 0.5", "<file> scenario general").
+  const std::string& prune_description() const { return prune_description_; }
+  const std::vector<int64_t>& eos_ids() const { return eos_ids_; }
+  int64_t pad_id() const { return pad_id_; }
 
   // Token ids of one prompt (with the image tokens expanded) for `question`.
   std::vector<int64_t> prompt_ids(const std::string& question) const;
@@ -62,6 +85,7 @@ class VlmSession {
  private:
   VlmSession(SessionOptions options, std::filesystem::path model_dir, model::LlavaModel model,
              tokenizer::Tokenizer tokenizer, datasets::ImageProcessorConfig processor);
+  void apply_prune_options();
   SessionOptions options_;
   std::filesystem::path model_dir_;
   model::LlavaModel model_;
@@ -69,6 +93,7 @@ class VlmSession {
   datasets::ImageProcessorConfig processor_;
   std::vector<int64_t> eos_ids_;
   int64_t pad_id_ = 0;
+  std::string prune_description_ = "none";
 };
 
 // Exact-match normalisation: lowercase, surrounding whitespace and trailing . ! ? removed.

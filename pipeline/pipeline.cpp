@@ -1,16 +1,19 @@
 #include "pipeline/pipeline.hpp"
 
+#include "align/diagnose.hpp"
 #include "bundle/export.hpp"
 #include "calib/calibrate.hpp"
 #include "eval/evaluate.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
+#include "prune/fit.hpp"
 #include "util/paths.hpp"
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 
 #include <set>
+#include <unistd.h>
 
 namespace vlmopt::pipeline {
 
@@ -21,7 +24,9 @@ nlohmann::json PipelineOptions::to_json() const {
           {"calib_data", calib_data}, {"calib_samples", calib_samples},
           {"scheme", std::string(quant::to_string(scheme))},
           {"eval_data", eval_data},   {"eval_limit", eval_limit},
-          {"batch_size", batch_size}, {"out", out.string()}};
+          {"batch_size", batch_size}, {"prune_keep", prune_keep},
+          {"prune_calib_samples", prune_calib_samples}, {"align_samples", align_samples},
+          {"out", out.string()}};
 }
 
 namespace {
@@ -48,7 +53,10 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   result.out = options.out;
   result.summary = {{"options", options.to_json()}, {"steps", nlohmann::json::array()}};
 
-  spdlog::info("pipeline step 1/3: calibrate ({}, {} samples of {})", quant::to_string(options.scheme),
+  const bool prune = options.prune_keep > 0.0;
+  const bool align = options.align_samples > 0;
+  const int steps = 3 + (prune ? 2 : 0) + (align ? 1 : 0);
+  spdlog::info("pipeline step 1/{}: calibrate ({}, {} samples of {})", steps, quant::to_string(options.scheme),
                options.calib_samples, options.calib_data);
   calib::CalibrateOptions calibrate;
   calibrate.model = options.model;
@@ -68,11 +76,50 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   eval_options.data = options.eval_data;
   eval_options.limit = options.eval_limit;
   eval_options.batch_size = options.batch_size;
-  spdlog::info("pipeline step 2/3: eval fp32 on {}", options.eval_data);
+  spdlog::info("pipeline step 2/{}: eval fp32 on {}", steps, options.eval_data);
   const auto fp32 = eval::evaluate(eval_options).to_json();
-  spdlog::info("pipeline step 3/3: eval bundle on {}", options.eval_data);
+  spdlog::info("pipeline step 3/{}: eval bundle on {}", steps, options.eval_data);
   eval_options.bundle = options.out.string();
+  eval_options.session.prune.apply_bundle_plan = false;  // the bundle as calibrated
   const auto quantized = eval::evaluate(eval_options).to_json();
+
+  nlohmann::json pruned;
+  if (prune) {
+    spdlog::info("pipeline step 4/{}: prune-fit (keep {} of the visual tokens after the cut) on {}", steps,
+                 options.prune_keep, options.calib_data);
+    prune::PruneFitOptions fit;
+    fit.session.model = options.model;
+    fit.session.device = options.device;
+    fit.bundle = options.out.string();
+    fit.data = options.calib_data;
+    fit.limit = options.prune_calib_samples;
+    fit.batch_size = options.batch_size;
+    fit.target_keep = options.prune_keep;
+    auto fitted = prune::fit(fit);
+    fitted["step"] = "prune-fit";
+    result.summary["steps"].push_back(fitted);
+    spdlog::info("pipeline step 5/{}: eval the pruned bundle on {}", steps, options.eval_data);
+    eval_options.session.prune.apply_bundle_plan = true;
+    pruned = eval::evaluate(eval_options).to_json();
+  }
+
+  // diagnose-align writes into a scratch directory; its files join the bundle
+  // in the final (atomic) update below.
+  const fs::path align_scratch =
+      fs::temp_directory_path() / fmt::format("vlmopt-pipeline-align-{}", static_cast<long>(::getpid()));
+  if (align) {
+    spdlog::info("pipeline step {}/{}: diagnose-align of the bundle against the model ({} samples of {})", steps,
+                 steps, options.align_samples, options.eval_data);
+    align::DiagnoseOptions diagnose;
+    diagnose.session.model = options.model;
+    diagnose.session.device = options.device;
+    diagnose.bundle = options.out.string();
+    diagnose.data = options.eval_data;
+    diagnose.limit = options.align_samples;
+    diagnose.out = align_scratch;
+    const auto diagnosed = align::diagnose(diagnose);
+    result.summary["steps"].push_back({{"step", "diagnose-align"}, {"summary", diagnosed.report.value("summary", nlohmann::json::object())}});
+  }
 
   // Sizes: the quantized Linears' bytes before and after, and the whole checkpoints.
   const auto plan_report = nlohmann::json::parse(
@@ -101,6 +148,10 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   result.summary["fp32"] = fp32;
   result.summary["bundle"] = quantized;
   result.summary["accuracy_delta"] = quantized.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
+  if (prune) {
+    result.summary["bundle_pruned"] = pruned;
+    result.summary["accuracy_delta_pruned"] = pruned.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
+  }
   result.summary["size"] = {{"quantized_linears_fp32_bytes", source_part},
                             {"quantized_linears_bundle_bytes", bundle_part},
                             {"checkpoint_fp32_bytes", source_total},
@@ -111,15 +162,22 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   update.step = "pipeline";
   update.options = options.to_json();
   const std::string fp32_text = fp32.dump(2) + "\n", bundle_text = quantized.dump(2) + "\n",
-                    summary_text = result.summary.dump(2) + "\n";
+                    pruned_text = pruned.dump(2) + "\n", summary_text = result.summary.dump(2) + "\n";
   update.apply = [&](const fs::path& root) {
     const auto reports = root / "vlmopt" / "reports";
     fs::create_directories(reports);
     io::write_file_atomic(reports / "eval_fp32.json", fp32_text);
     io::write_file_atomic(reports / "eval_bundle.json", bundle_text);
+    if (prune) io::write_file_atomic(reports / "eval_bundle_pruned.json", pruned_text);
+    if (align) {
+      fs::create_directories(reports / "align");
+      for (const auto& entry : fs::directory_iterator(align_scratch))
+        if (entry.is_regular_file()) fs::copy_file(entry.path(), reports / "align" / entry.path().filename());
+    }
     io::write_file_atomic(reports / "pipeline.json", summary_text);
   };
   bundle::update_bundle(options.out, update);
+  if (align) fs::remove_all(align_scratch);
   result.summary["report"] = (options.out / "vlmopt" / "reports" / "pipeline.json").string();
   return result;
 }
@@ -130,14 +188,22 @@ std::string PipelineResult::format() const {
   const auto& bundle = s.at("bundle");
   const auto& size = s.at("size");
   auto mib = [](const nlohmann::json& v) { return static_cast<double>(v.get<uint64_t>()) / (1024.0 * 1024.0); };
+  std::string pruned_line;
+  if (s.contains("bundle_pruned")) {
+    const auto& p = s.at("bundle_pruned");
+    pruned_line = fmt::format("accuracy pruned {:.4f} (n={}), delta {:+.4f}; visual tokens {:.1f} -> {:.1f} per layer\n",
+                              p.at("accuracy").get<double>(), p.at("n").get<int64_t>(),
+                              s.at("accuracy_delta_pruned").get<double>(), p.value("visual_tokens", 0.0),
+                              p.value("visual_tokens_kept", 0.0));
+  }
   return fmt::format(
       "bundle:  {}\nreport:  {}\n"
       "accuracy fp32   {:.4f} (n={})\n"
-      "accuracy bundle {:.4f} (n={}), delta {:+.4f}\n"
+      "accuracy bundle {:.4f} (n={}), delta {:+.4f}\n{}"
       "quantized Linears: {:.2f} MiB fp32 -> {:.2f} MiB in the bundle; checkpoint {:.2f} -> {:.2f} MiB\n",
       out.string(), s.at("report").get<std::string>(), fp32.at("accuracy").get<double>(), fp32.at("n").get<int64_t>(),
       bundle.at("accuracy").get<double>(), bundle.at("n").get<int64_t>(), s.at("accuracy_delta").get<double>(),
-      mib(size.at("quantized_linears_fp32_bytes")), mib(size.at("quantized_linears_bundle_bytes")),
+      pruned_line, mib(size.at("quantized_linears_fp32_bytes")), mib(size.at("quantized_linears_bundle_bytes")),
       mib(size.at("checkpoint_fp32_bytes")), mib(size.at("checkpoint_bundle_bytes")));
 }
 

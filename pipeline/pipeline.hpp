@@ -1,7 +1,8 @@
 // `vlmopt pipeline`: runs the optimization steps in order on one model and
 // leaves one bundle: calibrate (MP-Cache + compressed-tensors checkpoint), then
-// the FP32 and bundle evaluations, whose reports are added to the bundle.
-// Later steps (compensate, prune-fit, diagnose-align) join here.
+// the FP32 and bundle evaluations, then prune-fit (prune.json in the bundle), the
+// evaluation of the pruned bundle and diagnose-align of the bundle against the
+// model; the reports are added to the bundle.
 #pragma once
 
 #include "quant/scheme.hpp"
@@ -27,6 +28,11 @@ struct PipelineOptions {
   std::string eval_data = "builtin:eval";
   int64_t eval_limit = 0;  // 0 = the whole split
   int64_t batch_size = 8;
+  // --- visual-token pruning (prune-fit on the calibration data into the bundle)
+  double prune_keep = 0.5;          // fraction of visual tokens kept after the cut; 0 = skip the step
+  int64_t prune_calib_samples = 64;
+  // --- alignment diagnosis of the final bundle against the model (reports/align/)
+  int64_t align_samples = 16;  // 0 = skip the step
   // --- output
   std::filesystem::path out = "vlmopt-out";  // the bundle directory
 
@@ -35,7 +41,8 @@ struct PipelineOptions {
 
 struct PipelineResult {
   std::filesystem::path out;
-  nlohmann::json summary;  // {"steps": [...], "fp32": {...}, "bundle": {...}, "size": {...}}
+  // {"steps": [...], "fp32": {...}, "bundle": {...}, "bundle_pruned": {...} (when pruning ran), "size": {...}}
+  nlohmann::json summary;
   std::string format() const;
 };
 

@@ -22,7 +22,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build ccache pkg-config git
   python3 python3-venv python3-pip
   libcli11-dev nlohmann-json3-dev libhdf5-dev libopencv-dev libfmt-dev libspdlog-dev
-  doctest-dev libssl-dev libicu-dev
+  doctest-dev libssl-dev libicu-dev chromium
   opencv-doc            # the real handwritten digits image (digits.png) and sample photos
 )
 missing=()

@@ -24,6 +24,9 @@ void register_eval(CLI::App& root, const GlobalOptions& globals);
 void register_pipeline(CLI::App& root, const GlobalOptions& globals);
 void register_verify(CLI::App& root, const GlobalOptions& globals);
 void register_calibrate(CLI::App& root, const GlobalOptions& globals);
+void register_compensate(CLI::App& root, const GlobalOptions& globals);
 void register_bench(CLI::App& root, const GlobalOptions& globals);
+void register_diagnose_align(CLI::App& root, const GlobalOptions& globals);
+void register_prune_fit(CLI::App& root, const GlobalOptions& globals);
 
 }  // namespace vlmopt::app

@@ -1,9 +1,12 @@
 // `vlmopt bench`: measurements that benchmarks (scripts/bench/) compare against.
 //   bench forward: the bare calibration pass (same data, batching, layerwise mode),
 //                  the floor `vlmopt calibrate` is measured against.
+//   bench prefill: prefill latency (the KV-cache-filling forward of generation) with or
+//                  without visual-token pruning (scripts/bench/prune_pareto.py).
 #include "app.hpp"
 
 #include "calib/calibrate.hpp"
+#include "prune/fit.hpp"
 
 #include <cstdio>
 
@@ -28,6 +31,40 @@ void register_bench(CLI::App& root, const GlobalOptions& globals) {
       std::printf("%lld samples in %.3f s (%.2f samples/s), peak RSS %.0f MiB\n",
                   static_cast<long long>(result["samples"].get<int64_t>()), result["seconds"].get<double>(),
                   result["samples_per_second"].get<double>(), result["peak_rss_mib"].get<double>());
+    }
+  });
+
+  auto prefill_opts = std::make_shared<prune::PrefillBenchOptions>();
+  auto* prefill = bench->add_subcommand("prefill", "Time the prefill forward, optionally with visual-token pruning");
+  auto& s = prefill_opts->session;
+  prefill->add_option("--model", s.model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
+  prefill->add_option("--bundle", s.bundle, "Bundle directory (its vlmopt/prune.json applies unless --no-prune)");
+  prefill->add_option("--data", prefill_opts->data, "Dataset spec")->capture_default_str();
+  prefill->add_option("--samples", prefill_opts->samples, "First N samples")->capture_default_str();
+  prefill->add_option("--batch-size", prefill_opts->batch_size, "Samples per forward pass")->capture_default_str();
+  prefill->add_option("--repeats", prefill_opts->repeats, "Timed passes over the samples")->capture_default_str();
+  prefill->add_option("--dtype", s.dtype, "float32 | bfloat16 | float16")->capture_default_str();
+  prefill->add_flag("--no-prune{false}", s.prune.apply_bundle_plan, "Ignore the bundle's vlmopt/prune.json");
+  prefill->add_option("--prune-config", s.prune.config, "Apply this prune.json");
+  prefill->add_option("--scenario", s.prune.scenario, "prune.json scenario");
+  prefill->add_option("--prune-rule", s.prune.rule, "Ad-hoc pruning: vlmopt | fastv | random")
+      ->check(CLI::IsMember({"vlmopt", "fastv", "random"}));
+  prefill->add_option("--prune-layer", s.prune.layer, "Ad-hoc: prune after this layer")->capture_default_str();
+  prefill->add_option("--prune-keep", s.prune.keep, "Ad-hoc fastv/random keep fraction")->capture_default_str();
+  prefill->add_option("--prune-threshold", s.prune.threshold, "Ad-hoc vlmopt threshold")->capture_default_str();
+  prefill->add_option("--prune-seed", s.prune.seed, "Ad-hoc random seed")->capture_default_str();
+  prefill->callback([prefill_opts, &globals] {
+    prefill_opts->session.device = globals.device;
+    const auto result = prune::bench_prefill(*prefill_opts);
+    if (globals.json) {
+      std::puts(result.dump().c_str());
+    } else {
+      std::printf("prefill %.3f ms/batch (%.3f ms/sample, batch %lld), visual tokens kept %.1f of %lld (%s)\n",
+                  result["prefill_ms_per_batch"].get<double>(), result["prefill_ms_per_sample"].get<double>(),
+                  static_cast<long long>(result["batch_size"].get<int64_t>()),
+                  result["visual_tokens_kept"].get<double>(),
+                  static_cast<long long>(result["visual_tokens"].get<int64_t>()),
+                  result["prune"].get<std::string>().c_str());
     }
   });
 }

@@ -21,6 +21,14 @@ void register_pipeline(CLI::App& root, const GlobalOptions& globals) {
   cmd->add_option("--eval-data", opts->eval_data, "Dataset for the evaluations")->capture_default_str();
   cmd->add_option("--eval-limit", opts->eval_limit, "Evaluate the first N samples (0 = all)")->capture_default_str();
   cmd->add_option("--batch-size", opts->batch_size, "Samples per forward pass")->capture_default_str();
+  cmd->add_option("--prune-keep", opts->prune_keep,
+                  "prune-fit target: fraction of visual tokens kept after the cut (0 = no pruning step)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  cmd->add_option("--prune-calib-samples", opts->prune_calib_samples, "Calibration samples for prune-fit")
+      ->capture_default_str();
+  cmd->add_option("--align-samples", opts->align_samples, "diagnose-align samples (0 = no diagnosis step)")
+      ->capture_default_str();
   cmd->callback([opts, scheme, &globals] {
     opts->device = globals.device;
     opts->scheme = quant::parse_scheme(*scheme);

@@ -28,8 +28,8 @@ int main(int argc, char** argv) {
   root.parse_complete_callback([&] { vlmopt::log::init(globals.verbosity); });
 
   using namespace vlmopt::app;
-  for (auto reg : {register_inspect, register_datasets, register_calibrate, register_eval, register_verify,
-                   register_bench, register_pipeline})
+  for (auto reg : {register_inspect, register_datasets, register_calibrate, register_compensate, register_eval, register_verify,
+                   register_bench, register_diagnose_align, register_prune_fit, register_pipeline})
     reg(root, globals);
 
   try {

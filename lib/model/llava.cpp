@@ -197,6 +197,11 @@ LlavaModel LlavaModel::random(const io::LlavaConfig& config, uint64_t seed, torc
   return model;
 }
 
+void LlavaModel::set_prune_plan(std::optional<PrunePlan> plan) {
+  if (plan) plan->validate(language_->num_layers());
+  prune_plan_ = std::move(plan);
+}
+
 void LlavaModel::set_attention_backend(AttentionBackend backend) {
   backend_ = backend;
   vision_->set_fused_attention(backend == AttentionBackend::kFused);
@@ -308,14 +313,30 @@ ModelOutput LlavaModel::forward(const ForwardInputs& in) {
   auto hidden = embed(input_ids, out.image_features);
 
   torch::Tensor image_mask;
-  if (taps_->active()) image_mask = image_token_mask(input_ids);
-  const auto inputs = language_->prepare(position_ids, attention_mask, in.cache, image_mask);
-  hidden = language_->run_layers(hidden, 0, language_->num_layers(), inputs,
-                                 in.output_hidden_states ? &out.hidden_states : nullptr);
+  const bool prefill = past == 0;
+  torch::Tensor visual;
+  if (prefill) last_prune_report_ = PruneReport{};
+  if (prefill && prune_plan_ && !prune_plan_->steps.empty()) {
+    visual = image_token_mask(input_ids);
+    if (!visual.any().item<bool>()) visual = torch::Tensor();
+  }
+  if (taps_->active()) image_mask = visual.defined() ? visual : image_token_mask(input_ids);
+  auto inputs = language_->prepare(position_ids, attention_mask, in.cache, image_mask);
+  auto* collect = in.output_hidden_states ? &out.hidden_states : nullptr;
+  if (visual.defined()) {
+    auto pruned = language_->run_layers_pruned(hidden, inputs, visual, *prune_plan_, collect);
+    hidden = std::move(pruned.hidden);
+    out.kept_index = std::move(pruned.kept_index);
+    inputs = std::move(pruned.inputs);
+    last_prune_report_ = std::move(pruned.report);
+  } else {
+    hidden = language_->run_layers(hidden, 0, language_->num_layers(), inputs, collect);
+  }
   auto normed = language_->final_norm(hidden);
   if (in.output_hidden_states) out.hidden_states.back() = normed;
   // RMSNorm is per token, so keeping the last positions after the norm changes nothing.
-  if (in.logits_to_keep > 0 && in.logits_to_keep < tokens) normed = normed.slice(1, tokens - in.logits_to_keep);
+  const int64_t out_tokens = normed.size(1);
+  if (in.logits_to_keep > 0 && in.logits_to_keep < out_tokens) normed = normed.slice(1, out_tokens - in.logits_to_keep);
   out.logits = lm_head_(normed, inputs.tap_context(-1));
   return out;
 }

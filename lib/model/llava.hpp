@@ -8,6 +8,7 @@
 #include "model/decoder.hpp"
 #include "model/linear.hpp"
 #include "model/projector.hpp"
+#include "model/prune_plan.hpp"
 #include "model/taps.hpp"
 #include "model/vision.hpp"
 #include "model/weights.hpp"
@@ -18,6 +19,7 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,6 +45,10 @@ struct ModelOutput {
   // [k] the output of layer k-1, and the last one after the final norm.
   std::vector<torch::Tensor> hidden_states;
   torch::Tensor image_features;  // [images, N, D_text] when pixel_values were given
+  // After a pruned prefill (see set_prune_plan): [B,T'] int64, the index in input_ids of
+  // each output position (-1 = padding slot); logits and hidden states cover these T'
+  // positions. Undefined when nothing was pruned.
+  torch::Tensor kept_index;
 };
 
 struct ParameterCounts {
@@ -92,6 +98,13 @@ class LlavaModel {
   bool lm_head_tied() const { return tied_; }
   void set_attention_backend(AttentionBackend backend);
   AttentionBackend attention_backend() const { return backend_; }
+  // Visual-token pruning applied by every prefill (forward with an empty or no KV cache
+  // whose input_ids contain image tokens); nullopt or no steps = off. InputError when the
+  // plan does not fit this model.
+  void set_prune_plan(std::optional<PrunePlan> plan);
+  const std::optional<PrunePlan>& prune_plan() const { return prune_plan_; }
+  // What the last prefill pruned (empty when it pruned nothing).
+  const PruneReport& last_prune_report() const { return last_prune_report_; }
 
   // --- whole forward passes ---
   ModelOutput forward(const ForwardInputs& inputs);
@@ -152,6 +165,8 @@ class LlavaModel {
   KeyLayout layout_ = KeyLayout::kNew;
   bool tied_ = false;
   AttentionBackend backend_ = AttentionBackend::kEager;
+  std::optional<PrunePlan> prune_plan_;
+  PruneReport last_prune_report_;
   std::vector<int64_t> feature_states_;  // vision_feature_layer as hidden-state indices 0..L
   int64_t vision_states_needed_ = 1;     // hidden states to compute (max index + 1)
 };

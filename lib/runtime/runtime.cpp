@@ -153,6 +153,7 @@ torch::Tensor int8_matmul(const torch::Tensor& a, const torch::Tensor& b) {
 class QuantizedLinearKernel : public model::LinearKernel {
  public:
   KernelKind kind = KernelKind::kFakeQuant;
+  bool straight_through = false;  // RuntimeOptions::straight_through
   quant::QuantArgs input_args;
   std::optional<double> input_scale;  // static per-tensor input scale; nullopt: inputs not quantized
   torch::Tensor q_weight_t;           // int8 [in,out] (kInt8)
@@ -177,7 +178,9 @@ class QuantizedLinearKernel : public model::LinearKernel {
       shape.back() = y.size(-1);
       y = y.reshape(shape).to(x.scalar_type());
     } else {
-      const auto xq = input_scale ? ct::fake_quantize(x_in, *input_scale, input_args) : x_in;
+      auto xq = input_scale ? ct::fake_quantize(x_in, *input_scale, input_args) : x_in;
+      // fq + (x - x) is fq exactly in value; its gradient w.r.t. x is the identity.
+      if (straight_through && input_scale && x_in.requires_grad()) xq = xq.detach() + (x_in - x_in.detach());
       y = torch::nn::functional::linear(xq, outliers ? inlier_weight : linear.weight, linear.bias);
     }
     if (outliers) {
@@ -222,6 +225,7 @@ LoadedBundle load_bundle(const fs::path& bundle, torch::Device device, const Run
     if (!remaining.erase(name)) continue;
     auto kernel = std::make_shared<QuantizedLinearKernel>();
     kernel->kind = options.kernels;
+    kernel->straight_through = options.straight_through;
     const auto& ckpt = source.checkpoint();
     if (format.inputs) {
       kernel->input_args = *format.inputs;

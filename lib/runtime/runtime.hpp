@@ -32,6 +32,10 @@ struct RuntimeOptions {
   KernelKind kernels = KernelKind::kFakeQuant;
   bool use_mp_cache = true;
   torch::ScalarType dtype = torch::kFloat32;  // compute dtype of the unquantized parts
+  // Fake-quant kernels pass gradients straight through the input rounding (identity
+  // gradient, forward values bit-identical) when their input requires grad: training
+  // something upstream of quantized Linears (compensate). Off: round() gives zero gradient.
+  bool straight_through = false;
 };
 
 struct LoadedBundle {
