@@ -242,7 +242,9 @@ TEST_CASE("add_abs_histogram: equals torch's floor(|x| * 2^-e) bincount, per cla
     CHECK(torch::equal(all, torch::bincount(index, {}, bins)));
   }
   auto small = torch::zeros({2}, torch::kLong);
-  CHECK_THROWS(add_abs_histogram(torch::full({1, 1}, 5.0f), {}, 0, 0, small));  // 5 is beyond 2 bins of width 1
+  CHECK_THROWS(add_abs_histogram(torch::tensor({{1.0f, 5.0f}}), {}, 0, 0, small));  // 5 is beyond 2 bins of width 1
+  CHECK_THROWS(add_abs_histogram(torch::tensor({{1.0f, std::numeric_limits<float>::quiet_NaN()}}), {}, 0, 0, small));
+  CHECK(small.sum().item<int64_t>() == 0);  // nothing was added
 }
 
 TEST_CASE("fp16 counter: add() of precomputed figures equals observe() of the batches") {
