@@ -2,6 +2,7 @@
 // reduced precision on small random LLaVA models (no fixtures needed).
 #include "model/llava.hpp"
 #include "model/taps.hpp"
+#include "tiny_llava.hpp"
 #include "util/error.hpp"
 
 #include <doctest/doctest.h>
@@ -13,73 +14,13 @@
 #include <vector>
 
 using namespace vlmopt;
+using namespace vlmopt::testing;
 
 namespace {
-
-// CLIP (image 8, patch 2 -> 16 patches + class token) + LLaMA GQA (4 heads, 2 kv heads).
-io::LlavaConfig taps_tiny_config() {
-  io::LlavaConfig c;
-  c.vision.model_type = "clip_vision_model";
-  c.vision.hidden_size = 32;
-  c.vision.intermediate_size = 37;
-  c.vision.num_hidden_layers = 2;
-  c.vision.num_attention_heads = 4;
-  c.vision.image_size = 8;
-  c.vision.patch_size = 2;
-  c.vision.hidden_act = "quick_gelu";
-  c.text.model_type = "llama";
-  c.text.vocab_size = 99;
-  c.text.hidden_size = 32;
-  c.text.intermediate_size = 37;
-  c.text.num_hidden_layers = 2;
-  c.text.num_attention_heads = 4;
-  c.text.num_key_value_heads = 2;
-  c.text.head_dim = 8;
-  c.image_token_id = 3;
-  c.vision_feature_layers = {-2};
-  c.vision_feature_select_strategy = "default";
-  c.image_seq_length = 16;
-  c.raw = nlohmann::json::object();
-  return c;
-}
-
-constexpr int64_t kImageTokens = 16;
-
-// [1,T] ids: <s>=1, `before` words, 16 image tokens, `after` words (word ids 4..98, seeded).
-torch::Tensor prompt_with_image(int64_t before, int64_t after, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const auto words = [&](int64_t n) { return torch::randint(4, 99, {n}, gen, torch::kInt64); };
-  return torch::cat({torch::ones({1}, torch::kInt64), words(before), torch::full({kImageTokens}, 3, torch::kInt64),
-                     words(after)})
-      .unsqueeze(0);
-}
 
 torch::Tensor text_prompt(int64_t length, uint64_t seed) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   return torch::randint(4, 99, {1, length}, gen, torch::kInt64);
-}
-
-torch::Tensor random_pixels(int64_t images, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::normal(0.0, 1.0, {images, 3, 8, 8}, gen);
-}
-
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-// Left-pads [1,t] prompts to one [B,T] batch (pad id 0) with its attention mask.
-std::pair<torch::Tensor, torch::Tensor> left_pad(const std::vector<torch::Tensor>& prompts) {
-  int64_t longest = 0;
-  for (const auto& p : prompts) longest = std::max(longest, p.size(1));
-  std::vector<torch::Tensor> ids, masks;
-  for (const auto& p : prompts) {
-    const int64_t pad = longest - p.size(1);
-    ids.push_back(torch::cat({torch::zeros({1, pad}, torch::kInt64), p}, 1));
-    masks.push_back(torch::cat({torch::zeros({1, pad}, torch::kInt64), torch::ones_like(p)}, 1));
-  }
-  return {torch::cat(ids, 0), torch::cat(masks, 0)};
 }
 
 struct Recorded {
@@ -123,7 +64,7 @@ TEST_CASE("Taps match exact names and trailing-* prefixes, and unsubscribe") {
 }
 
 TEST_CASE("model taps fire with the documented names, shapes and contexts") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 21);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 21);
   const auto ids = prompt_with_image(3, 5, 1);  // T = 1 + 3 + 16 + 5 = 25
   const int64_t tokens = ids.size(1);
   model::ForwardInputs in;
@@ -221,7 +162,7 @@ TEST_CASE("model taps fire with the documented names, shapes and contexts") {
 }
 
 TEST_CASE("a LinearKernel replaces the dense product of its layer") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 4);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 4);
   model::ForwardInputs in;
   in.input_ids = text_prompt(9, 3);
   const auto base = m.forward(in).logits;
@@ -252,7 +193,7 @@ TEST_CASE("a LinearKernel replaces the dense product of its layer") {
 }
 
 TEST_CASE("KV-cache decoding equals full recomputation") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 8);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 8);
   const auto pixels = random_pixels(2, 5);
   // Two prompts of different lengths, left-padded, each with an image.
   const auto [ids, mask] = left_pad({prompt_with_image(2, 4, 6), prompt_with_image(5, 6, 7)});
@@ -290,7 +231,7 @@ TEST_CASE("KV-cache decoding equals full recomputation") {
 }
 
 TEST_CASE("a left-padded batch generates the same tokens as each sample alone") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 13);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 13);
   const auto with_image = prompt_with_image(4, 3, 9);  // T = 24
   const auto text_only = text_prompt(11, 10);
   const auto pixels = random_pixels(1, 11);
@@ -339,7 +280,7 @@ TEST_CASE("a left-padded batch generates the same tokens as each sample alone") 
 }
 
 TEST_CASE("the fused attention backend matches eager and still taps probabilities") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 17);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 17);
   const auto [ids, mask] = left_pad({prompt_with_image(1, 2, 3), prompt_with_image(4, 6, 4)});
   model::ForwardInputs in;
   in.input_ids = ids;
@@ -360,7 +301,7 @@ TEST_CASE("the fused attention backend matches eager and still taps probabilitie
 }
 
 TEST_CASE("bf16 and fp16 models run and stay close to fp32") {
-  const auto config = taps_tiny_config();
+  const auto config = tiny_llava_config(2);
   auto fp32 = model::LlavaModel::random(config, 19);
   model::ForwardInputs in;
   in.input_ids = prompt_with_image(3, 5, 12);
@@ -383,7 +324,7 @@ TEST_CASE("bf16 and fp16 models run and stay close to fp32") {
 }
 
 TEST_CASE("bad inputs are InputErrors, not crashes") {
-  auto m = model::LlavaModel::random(taps_tiny_config(), 1);
+  auto m = model::LlavaModel::random(tiny_llava_config(2), 1);
   const auto error_of = [&](const model::ForwardInputs& in) -> std::string {
     try {
       m.forward(in);

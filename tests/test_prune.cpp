@@ -4,6 +4,7 @@
 #include "model/prune_plan.hpp"
 #include "model/prune_config.hpp"
 #include "test_support.hpp"
+#include "tiny_llava.hpp"
 #include "util/error.hpp"
 
 #include <doctest/doctest.h>
@@ -16,73 +17,13 @@
 #include <vector>
 
 using namespace vlmopt;
+using namespace vlmopt::testing;
 
 namespace {
-
-constexpr int64_t kImageTokens = 16;
-constexpr int64_t kImageId = 3;
-
-// CLIP (image 8, patch 2 -> 16 visual tokens) + a 4-layer LLaMA with GQA (4 heads, 2 kv heads).
-io::LlavaConfig prune_tiny_config() {
-  io::LlavaConfig c;
-  c.vision.model_type = "clip_vision_model";
-  c.vision.hidden_size = 32;
-  c.vision.intermediate_size = 37;
-  c.vision.num_hidden_layers = 2;
-  c.vision.num_attention_heads = 4;
-  c.vision.image_size = 8;
-  c.vision.patch_size = 2;
-  c.vision.hidden_act = "quick_gelu";
-  c.text.model_type = "llama";
-  c.text.vocab_size = 99;
-  c.text.hidden_size = 32;
-  c.text.intermediate_size = 37;
-  c.text.num_hidden_layers = 4;
-  c.text.num_attention_heads = 4;
-  c.text.num_key_value_heads = 2;
-  c.text.head_dim = 8;
-  c.image_token_id = kImageId;
-  c.vision_feature_layers = {-2};
-  c.vision_feature_select_strategy = "default";
-  c.image_seq_length = kImageTokens;
-  c.raw = nlohmann::json::object();
-  return c;
-}
-
-// [1,T] ids: <s>=1, `before` words, 16 image tokens, `after` words (word ids 4..98, seeded).
-torch::Tensor prompt_with_image(int64_t before, int64_t after, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  const auto words = [&](int64_t n) { return torch::randint(4, 99, {n}, gen, torch::kInt64); };
-  return torch::cat({torch::ones({1}, torch::kInt64), words(before), torch::full({kImageTokens}, kImageId, torch::kInt64),
-                     words(after)})
-      .unsqueeze(0);
-}
-
-torch::Tensor random_pixels(int64_t images, uint64_t seed) {
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed);
-  return at::normal(0.0, 1.0, {images, 3, 8, 8}, gen);
-}
-
-std::pair<torch::Tensor, torch::Tensor> left_pad(const std::vector<torch::Tensor>& prompts) {
-  int64_t longest = 0;
-  for (const auto& p : prompts) longest = std::max(longest, p.size(1));
-  std::vector<torch::Tensor> ids, masks;
-  for (const auto& p : prompts) {
-    const int64_t pad = longest - p.size(1);
-    ids.push_back(torch::cat({torch::zeros({1, pad}, torch::kInt64), p}, 1));
-    masks.push_back(torch::cat({torch::zeros({1, pad}, torch::kInt64), torch::ones_like(p)}, 1));
-  }
-  return {torch::cat(ids, 0), torch::cat(masks, 0)};
-}
 
 // [1,N] bool from 0/1 values.
 torch::Tensor bools(std::initializer_list<int64_t> values) {
   return torch::tensor(std::vector<int64_t>(values), torch::kInt64).to(torch::kBool).unsqueeze(0);
-}
-
-double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
-  REQUIRE(a.sizes() == b.sizes());
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
 }
 
 model::PrunePlan single_step(model::PruneRule rule, int64_t after_layer, double keep_ratio, double threshold = 1.0) {
@@ -173,7 +114,7 @@ TEST_CASE("select_kept_tokens: FastV top-k, dual threshold with its floor and ca
 }
 
 TEST_CASE("keep ratio 1.0 is bit-identical to the unpruned model, logits and generation") {
-  auto m = model::LlavaModel::random(prune_tiny_config(), 21);
+  auto m = model::LlavaModel::random(tiny_llava_config(4), 21);
   const auto pixels = random_pixels(2, 3);
   const auto [ids, mask] = left_pad({prompt_with_image(2, 5, 4), prompt_with_image(4, 7, 5)});
   model::ForwardInputs in;
@@ -203,7 +144,7 @@ TEST_CASE("keep ratio 1.0 is bit-identical to the unpruned model, logits and gen
 }
 
 TEST_CASE("pruned prefill keeps the chosen tokens at their original positions (ragged batch)") {
-  auto m = model::LlavaModel::random(prune_tiny_config(), 22);
+  auto m = model::LlavaModel::random(tiny_llava_config(4), 22);
   const std::vector<torch::Tensor> prompts{prompt_with_image(3, 6, 31), prompt_with_image(1, 9, 32)};
   const auto pixels = random_pixels(2, 33);
   const auto [ids, mask] = left_pad(prompts);
@@ -284,7 +225,7 @@ TEST_CASE("pruned prefill keeps the chosen tokens at their original positions (r
 }
 
 TEST_CASE("pruned batch answers like each sample alone, and decoding after the pruned prefill is exact") {
-  auto m = model::LlavaModel::random(prune_tiny_config(), 23);
+  auto m = model::LlavaModel::random(tiny_llava_config(4), 23);
   const std::vector<torch::Tensor> prompts{prompt_with_image(2, 4, 41), prompt_with_image(5, 8, 42)};
   const auto pixels = random_pixels(2, 43);
   auto plan = single_step(model::PruneRule::kDual, 0, 1.0, 1.0);
@@ -349,7 +290,7 @@ TEST_CASE("pruned batch answers like each sample alone, and decoding after the p
 }
 
 TEST_CASE("pruning works with the fused attention backend and rejects bad plans") {
-  auto m = model::LlavaModel::random(prune_tiny_config(), 24);
+  auto m = model::LlavaModel::random(tiny_llava_config(4), 24);
   const auto ids = prompt_with_image(2, 6, 51);
   const auto pixels = random_pixels(1, 52);
   model::ForwardInputs in;
@@ -445,7 +386,7 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   CHECK_THROWS_AS(model::read_prune_config(dir / "missing.json"), InputError);
 
   // A plan from prune.json must fit the model it is applied to.
-  auto m = model::LlavaModel::random(prune_tiny_config(), 25);
+  auto m = model::LlavaModel::random(tiny_llava_config(4), 25);
   model::PruneConfig deep;
   deep.scenarios["general"].steps = {{3, 1.0, 1.0}};
   CHECK_THROWS_AS(m.set_prune_plan(deep.plan()), InputError);
