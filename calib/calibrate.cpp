@@ -511,6 +511,22 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
   collector.detach();
   run.collect_seconds = std::chrono::duration<double>(Clock::now() - t_collect).count();
   run.dataset_hash = data_hash.hex_digest();
+  // A Linear the pass never reached (e.g. vision-tower layers after
+  // vision_feature_layer, which LLaVA computes nowhere) has no input range to
+  // quantize with, and quantizing it would change nothing the model computes:
+  // it stays in float and is named in the ignore list like any other.
+  std::vector<std::string> unobserved;
+  std::erase_if(quantized, [&](const std::string& name) {
+    if (collector.stats_for(name).channel_min.defined()) return false;
+    unobserved.push_back(name);
+    return true;
+  });
+  if (!unobserved.empty()) {
+    spdlog::warn("calibrate: {} Linear layer(s) never ran on the calibration data and stay in float (first: {})",
+                 unobserved.size(), unobserved.front());
+    plan.ignore.insert(plan.ignore.end(), unobserved.begin(), unobserved.end());
+  }
+  VLMOPT_CHECK_INPUT(!quantized.empty(), "calibrate: none of the Linears to quantize ran on {}", options.data);
   decide_pending("");
   for (const auto& name : quantized) {
     auto& [lq, j] = decided.at(name);
@@ -524,6 +540,7 @@ CalibrationRun run_calibration(const CalibrateOptions& options) {
   std::vector<std::string> fp16_unsafe;
   for (const auto& point : collector.points()) {
     const auto& stats = *point;
+    if (!stats.channel_min.defined()) continue;  // never ran: its Linears stay in float (above)
     auto& decision = decide_point(stats);
     const auto outlier_index = decision.outliers.nonzero().reshape({-1});
     total_outliers += outlier_index.numel();

@@ -3,6 +3,7 @@
 #include "align/diagnose.hpp"
 #include "bundle/export.hpp"
 #include "calib/calibrate.hpp"
+#include "compensate/compensate.hpp"
 #include "eval/evaluate.hpp"
 #include "io/atomic_file.hpp"
 #include "io/safetensors.hpp"
@@ -24,7 +25,8 @@ nlohmann::json PipelineOptions::to_json() const {
           {"calib_data", calib_data}, {"calib_samples", calib_samples},
           {"scheme", std::string(quant::to_string(scheme))},
           {"eval_data", eval_data},   {"eval_limit", eval_limit},
-          {"batch_size", batch_size}, {"prune_keep", prune_keep},
+          {"batch_size", batch_size}, {"compensate_steps", compensate_steps},
+          {"compensate_samples", compensate_samples}, {"prune_keep", prune_keep},
           {"prune_calib_samples", prune_calib_samples}, {"align_samples", align_samples},
           {"out", out.string()}};
 }
@@ -53,9 +55,11 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   result.out = options.out;
   result.summary = {{"options", options.to_json()}, {"steps", nlohmann::json::array()}};
 
+  const bool compensate = options.compensate_steps > 0;
   const bool prune = options.prune_keep > 0.0;
   const bool align = options.align_samples > 0;
-  const int steps = 3 + (prune ? 2 : 0) + (align ? 1 : 0);
+  const int steps = 3 + (compensate ? 2 : 0) + (prune ? 2 : 0) + (align ? 1 : 0);
+  int step = 3;
   spdlog::info("pipeline step 1/{}: calibrate ({}, {} samples of {})", steps, quant::to_string(options.scheme),
                options.calib_samples, options.calib_data);
   calib::CalibrateOptions calibrate;
@@ -83,9 +87,29 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   eval_options.session.prune.apply_bundle_plan = false;  // the bundle as calibrated
   const auto quantized = eval::evaluate(eval_options).to_json();
 
+  nlohmann::json compensated;
+  if (compensate) {
+    spdlog::info("pipeline step {}/{}: compensate ({} steps on {} samples of {})", ++step, steps,
+                 options.compensate_steps, options.compensate_samples, options.calib_data);
+    compensate::CompensateOptions comp;
+    comp.model = options.model;
+    comp.device = options.device;
+    comp.bundle = options.out;
+    comp.data = options.calib_data;
+    comp.samples = options.compensate_samples;
+    comp.batch_size = options.batch_size;
+    comp.train.steps = options.compensate_steps;
+    auto report = compensate::compensate(comp);
+    report["step"] = "compensate";
+    report.erase("curve");  // per-step losses stay in reports/compensation.json
+    result.summary["steps"].push_back(report);
+    spdlog::info("pipeline step {}/{}: eval the compensated bundle on {}", ++step, steps, options.eval_data);
+    compensated = eval::evaluate(eval_options).to_json();
+  }
+
   nlohmann::json pruned;
   if (prune) {
-    spdlog::info("pipeline step 4/{}: prune-fit (keep {} of the visual tokens after the cut) on {}", steps,
+    spdlog::info("pipeline step {}/{}: prune-fit (keep {} of the visual tokens after the cut) on {}", ++step, steps,
                  options.prune_keep, options.calib_data);
     prune::PruneFitOptions fit;
     fit.session.model = options.model;
@@ -98,7 +122,7 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
     auto fitted = prune::fit(fit);
     fitted["step"] = "prune-fit";
     result.summary["steps"].push_back(fitted);
-    spdlog::info("pipeline step 5/{}: eval the pruned bundle on {}", steps, options.eval_data);
+    spdlog::info("pipeline step {}/{}: eval the pruned bundle on {}", ++step, steps, options.eval_data);
     eval_options.session.prune.apply_bundle_plan = true;
     pruned = eval::evaluate(eval_options).to_json();
   }
@@ -148,6 +172,11 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   result.summary["fp32"] = fp32;
   result.summary["bundle"] = quantized;
   result.summary["accuracy_delta"] = quantized.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
+  if (compensate) {
+    result.summary["bundle_compensated"] = compensated;
+    result.summary["accuracy_delta_compensated"] =
+        compensated.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
+  }
   if (prune) {
     result.summary["bundle_pruned"] = pruned;
     result.summary["accuracy_delta_pruned"] = pruned.at("accuracy").get<double>() - fp32.at("accuracy").get<double>();
@@ -162,12 +191,13 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
   update.step = "pipeline";
   update.options = options.to_json();
   const std::string fp32_text = fp32.dump(2) + "\n", bundle_text = quantized.dump(2) + "\n",
-                    pruned_text = pruned.dump(2) + "\n", summary_text = result.summary.dump(2) + "\n";
+                    compensated_text = compensated.dump(2) + "\n", pruned_text = pruned.dump(2) + "\n", summary_text = result.summary.dump(2) + "\n";
   update.apply = [&](const fs::path& root) {
     const auto reports = root / "vlmopt" / "reports";
     fs::create_directories(reports);
     io::write_file_atomic(reports / "eval_fp32.json", fp32_text);
     io::write_file_atomic(reports / "eval_bundle.json", bundle_text);
+    if (compensate) io::write_file_atomic(reports / "eval_bundle_compensated.json", compensated_text);
     if (prune) io::write_file_atomic(reports / "eval_bundle_pruned.json", pruned_text);
     if (align) {
       fs::create_directories(reports / "align");
@@ -188,7 +218,12 @@ std::string PipelineResult::format() const {
   const auto& bundle = s.at("bundle");
   const auto& size = s.at("size");
   auto mib = [](const nlohmann::json& v) { return static_cast<double>(v.get<uint64_t>()) / (1024.0 * 1024.0); };
-  std::string pruned_line;
+  std::string compensated_line, pruned_line;
+  if (s.contains("bundle_compensated")) {
+    const auto& c = s.at("bundle_compensated");
+    compensated_line = fmt::format("accuracy compensated {:.4f} (n={}), delta {:+.4f}\n", c.at("accuracy").get<double>(),
+                                   c.at("n").get<int64_t>(), s.at("accuracy_delta_compensated").get<double>());
+  }
   if (s.contains("bundle_pruned")) {
     const auto& p = s.at("bundle_pruned");
     pruned_line = fmt::format("accuracy pruned {:.4f} (n={}), delta {:+.4f}; visual tokens {:.1f} -> {:.1f} per layer\n",
@@ -199,11 +234,11 @@ std::string PipelineResult::format() const {
   return fmt::format(
       "bundle:  {}\nreport:  {}\n"
       "accuracy fp32   {:.4f} (n={})\n"
-      "accuracy bundle {:.4f} (n={}), delta {:+.4f}\n{}"
+      "accuracy bundle {:.4f} (n={}), delta {:+.4f}\n{}{}"
       "quantized Linears: {:.2f} MiB fp32 -> {:.2f} MiB in the bundle; checkpoint {:.2f} -> {:.2f} MiB\n",
       out.string(), s.at("report").get<std::string>(), fp32.at("accuracy").get<double>(), fp32.at("n").get<int64_t>(),
       bundle.at("accuracy").get<double>(), bundle.at("n").get<int64_t>(), s.at("accuracy_delta").get<double>(),
-      pruned_line, mib(size.at("quantized_linears_fp32_bytes")), mib(size.at("quantized_linears_bundle_bytes")),
+      compensated_line, pruned_line, mib(size.at("quantized_linears_fp32_bytes")), mib(size.at("quantized_linears_bundle_bytes")),
       mib(size.at("checkpoint_fp32_bytes")), mib(size.at("checkpoint_bundle_bytes")));
 }
 

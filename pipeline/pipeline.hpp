@@ -1,8 +1,9 @@
 // `vlmopt pipeline`: runs the optimization steps in order on one model and
 // leaves one bundle: calibrate (MP-Cache + compressed-tensors checkpoint), then
-// the FP32 and bundle evaluations, then prune-fit (prune.json in the bundle), the
-// evaluation of the pruned bundle and diagnose-align of the bundle against the
-// model; the reports are added to the bundle.
+// the FP32 and bundle evaluations, compensate (adapter folded into the projector)
+// and its evaluation, prune-fit (prune.json in the bundle), the evaluation of the
+// pruned bundle and diagnose-align of the bundle against the model; the reports
+// are added to the bundle.
 #pragma once
 
 #include "quant/scheme.hpp"
@@ -28,6 +29,9 @@ struct PipelineOptions {
   std::string eval_data = "builtin:eval";
   int64_t eval_limit = 0;  // 0 = the whole split
   int64_t batch_size = 8;
+  // --- compensation (adapter trained on the calibration data, folded into the projector)
+  int64_t compensate_steps = 100;  // 0 = skip the step
+  int64_t compensate_samples = 64;
   // --- visual-token pruning (prune-fit on the calibration data into the bundle)
   double prune_keep = 0.5;          // fraction of visual tokens kept after the cut; 0 = skip the step
   int64_t prune_calib_samples = 64;
@@ -41,7 +45,8 @@ struct PipelineOptions {
 
 struct PipelineResult {
   std::filesystem::path out;
-  // {"steps": [...], "fp32": {...}, "bundle": {...}, "bundle_pruned": {...} (when pruning ran), "size": {...}}
+  // {"steps": [...], "fp32": {...}, "bundle": {...}, "bundle_compensated": {...} (when compensation ran),
+  //  "bundle_pruned": {...} (when pruning ran), "size": {...}}
   nlohmann::json summary;
   std::string format() const;
 };

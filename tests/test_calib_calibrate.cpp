@@ -216,6 +216,25 @@ TEST_CASE("calibrate: layer-by-layer gives the same plan as the whole-model pass
   CHECK(std::find(whole.plan.ignore.begin(), whole.plan.ignore.end(), "lm_head") != whole.plan.ignore.end());
 }
 
+TEST_CASE("calibrate: vision-tower layers that never run stay in float instead of failing") {
+  // clip_llama_old: 2 vision layers, vision_feature_layer -2, so layer 1 computes nothing LLaVA uses.
+  auto options = fixture_options("clip_llama_old");
+  options.ignore = {"lm_head", "re:model\\.multi_modal_projector\\."};
+  const auto run = calib::run_calibration(options);
+  const std::string used = "model.vision_tower.vision_model.encoder.layers.0.";
+  const std::string unused = "model.vision_tower.vision_model.encoder.layers.1.";
+  int64_t used_quantized = 0;
+  for (const auto& l : run.plan.layers) {
+    CAPTURE(l.name);
+    CHECK_FALSE(l.name.starts_with(unused));
+    used_quantized += l.name.starts_with(used);
+  }
+  CHECK(used_quantized == 6);  // q, k, v, out_proj, fc1, fc2
+  const auto& ignore = run.plan.ignore;
+  CHECK(std::find(ignore.begin(), ignore.end(), unused + "self_attn.q_proj") != ignore.end());
+  CHECK(std::find(ignore.begin(), ignore.end(), unused + "mlp.fc2") != ignore.end());
+}
+
 TEST_CASE("calibrate: SmoothQuant leaves the float function unchanged") {
   auto options = fixture_options("clip_llama_old");
   options.smoothquant_alpha = 0.5;

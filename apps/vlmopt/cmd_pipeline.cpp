@@ -21,6 +21,10 @@ void register_pipeline(CLI::App& root, const GlobalOptions& globals) {
   cmd->add_option("--eval-data", opts->eval_data, "Dataset for the evaluations")->capture_default_str();
   cmd->add_option("--eval-limit", opts->eval_limit, "Evaluate the first N samples (0 = all)")->capture_default_str();
   cmd->add_option("--batch-size", opts->batch_size, "Samples per forward pass")->capture_default_str();
+  cmd->add_option("--compensate-steps", opts->compensate_steps, "compensate: adapter training steps (0 = no compensation step)")
+      ->capture_default_str();
+  cmd->add_option("--compensate-samples", opts->compensate_samples, "compensate: calibration samples it trains on")
+      ->capture_default_str();
   cmd->add_option("--prune-keep", opts->prune_keep,
                   "prune-fit target: fraction of visual tokens kept after the cut (0 = no pruning step)")
       ->check(CLI::Range(0.0, 1.0))
