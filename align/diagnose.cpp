@@ -136,6 +136,25 @@ std::vector<int64_t> attention_sinks(const SampleAnalysis& a, double sink_factor
   return sinks;
 }
 
+// Frame sequences: the answer rows' attention mass per frame and Δt_sem
+// (docs/align.md §Frame sequences: Δt_sem); null for still images.
+nlohmann::json dt_sem_record(const SampleAnalysis& a, double threshold_ms) {
+  if (a.images <= 1) return nullptr;
+  // Mean over the answer rows (per layer and head, in analyze_sample), then over layers and heads: [N].
+  const auto answer_map = (a.answer_maps.defined() ? a.answer_maps : a.last_maps).mean({0, 1}).contiguous();
+  const auto mass = frame_masses(row_span(answer_map, 0), a.images);
+  nlohmann::json rec = {{"frames", a.images}, {"query", "answer"}, {"answer_rows", a.answer_rows}, {"frame_mass", mass}};
+  if (a.frame_times_ms.empty() || !a.event_time_ms) return rec;
+  const auto d = temporal_delay(mass, a.frame_times_ms, *a.event_time_ms, threshold_ms);
+  rec["frame_times_ms"] = a.frame_times_ms;
+  rec["event_time_ms"] = *a.event_time_ms;
+  rec["attended_frame"] = d.attended_frame;
+  rec["dt_sem_ms"] = d.dt_sem_ms;
+  rec["threshold_ms"] = threshold_ms;
+  rec["flagged"] = d.flagged;
+  return rec;
+}
+
 nlohmann::json sample_record(const SampleAnalysis& a, const DiagnoseOptions& options) {
   const auto layers = a.text_maps.size(0);
   nlohmann::json layer_records = nlohmann::json::array();
@@ -178,6 +197,8 @@ nlohmann::json sample_record(const SampleAnalysis& a, const DiagnoseOptions& opt
   metrics["sink_tokens"] = static_cast<int64_t>(sinks.size());
   if (a.knockout_delta) metrics["knockout_delta"] = *a.knockout_delta;
   if (a.knockout_delta_random) metrics["knockout_delta_random"] = *a.knockout_delta_random;
+  const auto dt_sem = dt_sem_record(a, options.dt_sem_threshold_ms);
+  if (dt_sem.contains("dt_sem_ms")) metrics["dt_sem_ms"] = dt_sem["dt_sem_ms"];
 
   nlohmann::json rec = {{"id", a.id},
                         {"question", a.question},
@@ -190,7 +211,8 @@ nlohmann::json sample_record(const SampleAnalysis& a, const DiagnoseOptions& opt
                         {"sinks", sinks},
                         {"massive_visual_tokens", a.massive_visual_tokens},
                         {"massive_text_tokens", a.massive_text_tokens},
-                        {"layers", std::move(layer_records)}};
+                        {"layers", std::move(layer_records)},
+                        {"dt_sem", dt_sem}};
   if (a.knockout_delta) {
     rec["knockout"] = {{"k", a.knockout_k},
                        {"answer_tokens", a.answer_tokens},
@@ -290,6 +312,22 @@ SampleAnalysis analyze_sample(eval::VlmSession& session, const datasets::Sample&
   a.answer = sample.answer;
   a.visual_tokens = visual;
   a.text_queries = text_rows.numel();
+  a.images = 1 + static_cast<int64_t>(sample.frames.size());
+  VLMOPT_CHECK_INPUT(visual % a.images == 0, "{}: {} image tokens do not split into {} frames", sample.id, visual,
+                     a.images);
+  if (a.images > 1 && sample.meta.is_object() && sample.meta.contains("frame_times_ms") &&
+      sample.meta.contains("event_time_ms")) {
+    const auto& times = sample.meta["frame_times_ms"];
+    const auto& event = sample.meta["event_time_ms"];
+    VLMOPT_CHECK_INPUT(times.is_array() && static_cast<int64_t>(times.size()) == a.images,
+                       "{}: meta.frame_times_ms: expected {} numbers, got {}", sample.id, a.images, times.dump());
+    for (const auto& t : times) {
+      VLMOPT_CHECK_INPUT(t.is_number(), "{}: meta.frame_times_ms: expected numbers, got {}", sample.id, times.dump());
+      a.frame_times_ms.push_back(t.get<double>());
+    }
+    VLMOPT_CHECK_INPUT(event.is_number(), "{}: meta.event_time_ms: expected a number, got {}", sample.id, event.dump());
+    a.event_time_ms = event.get<double>();
+  }
 
   const int64_t layers = model.config().text.num_hidden_layers;
   std::vector<torch::Tensor> text_maps(static_cast<size_t>(layers)), last_maps(static_cast<size_t>(layers));
@@ -370,6 +408,42 @@ SampleAnalysis analyze_sample(eval::VlmSession& session, const datasets::Sample&
   a.prediction = eval::normalize_answer(session.tokenizer().decode(generated, /*skip_special_tokens=*/true));
   a.answer_tokens = static_cast<int64_t>(generated.size());
 
+  // Frame sequences: the text->visual maps of the rows that emit the answer's
+  // tokens (EOS excluded): the last prompt row emits the first, the row of answer
+  // token i emits token i+1. One answer token: the last-row maps already are that.
+  if (a.images > 1) {
+    const auto eos = eos_ids_of(session);
+    std::vector<int64_t> answer(generated.begin(), std::find_first_of(generated.begin(), generated.end(), eos.begin(), eos.end()));
+    const auto rows = std::max<int64_t>(1, static_cast<int64_t>(answer.size()));
+    a.answer_rows = rows;
+    if (rows == 1) {
+      a.answer_maps = a.last_maps;
+    } else {
+      answer.pop_back();  // the last answer token emits only EOS or nothing
+      const auto extra = torch::tensor(answer, torch::kLong).unsqueeze(0).to(device);
+      model::ForwardInputs full;
+      full.input_ids = torch::cat({ids, extra}, 1);
+      full.attention_mask = torch::cat({batch.attention_mask.to(torch::kLong), torch::ones({1, rows - 1}, torch::kLong).to(device)}, 1);
+      full.pixel_values = batch.pixel_values;
+      full.logits_to_keep = 1;
+      const auto answer_idx = torch::arange(tokens - 1, tokens - 1 + rows, torch::kLong).to(device);
+      std::vector<torch::Tensor> maps(static_cast<size_t>(layers));
+      {
+        TapSubscriptions subs(model.taps());
+        for (int64_t l = 0; l < layers; ++l) {
+          const auto slot = static_cast<size_t>(l);
+          subs.add(fmt::format("model.language_model.layers.{}.self_attn.probs", l),
+                   [&, slot](std::string_view, const torch::Tensor& probs, const model::TapContext&) {
+                     maps[slot] = probs[0].index_select(1, answer_idx).index_select(2, image_idx).to(torch::kCPU, torch::kFloat64).mean(1);
+                   });
+        }
+        (void)model.forward(full);
+      }
+      for (const auto& m : maps) VLMOPT_CHECK(m.defined(), "a decoder layer emitted no attention probabilities");
+      a.answer_maps = torch::stack(maps).contiguous();  // [L,H,N]
+    }
+  }
+
   if (options.knockout && !generated.empty()) {
     const int64_t n = a.answer_tokens;
     const auto answer = torch::tensor(generated, torch::kLong).unsqueeze(0).to(device);
@@ -413,6 +487,8 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
   VLMOPT_CHECK_INPUT(std::isfinite(options.tau_threshold) && options.tau_threshold >= 0.0,
                      "--tau-threshold: expected a non-negative number, got {}", options.tau_threshold);
   VLMOPT_CHECK_INPUT(options.sink_factor > 0.0, "--sink-factor: expected > 0, got {}", options.sink_factor);
+  VLMOPT_CHECK_INPUT(std::isfinite(options.dt_sem_threshold_ms) && options.dt_sem_threshold_ms >= 0.0,
+                     "--dt-sem-threshold-ms: expected a non-negative number, got {}", options.dt_sem_threshold_ms);
   const auto started = std::chrono::steady_clock::now();
 
   auto source = datasets::open_dataset(options.data);
@@ -421,7 +497,7 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
   VLMOPT_CHECK_INPUT(total > 0, "{}: dataset is empty", options.data);
 
   std::vector<SampleAnalysis> analyses;
-  std::vector<cv::Mat> images;
+  std::vector<std::vector<cv::Mat>> images;  // per sample: the image, then its frames
   nlohmann::json model_info;
   std::string model_dir;
   {
@@ -441,7 +517,8 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
       ao.seed = static_cast<uint64_t>(i);
       ao.massive_factor = options.massive_factor;
       analyses.push_back(analyze_sample(session, sample, ao));
-      images.push_back(sample.image.clone());
+      images.push_back({sample.image.clone()});
+      for (const auto& frame : sample.frames) images.back().push_back(frame.clone());
       spdlog::debug("diagnose-align: {}/{} {}", i + 1, total, sample.id);
     }
   }
@@ -483,7 +560,7 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
       rec["metrics"]["cmp_js"] = mean_of(js);
       rec["metrics"]["cmp_projector_cos"] = cos;
       const auto brec = sample_record(b, options);
-      rec["bundle"] = {{"prediction", b.prediction}, {"metrics", brec["metrics"]}};
+      rec["bundle"] = {{"prediction", b.prediction}, {"metrics", brec["metrics"]}, {"dt_sem", brec["dt_sem"]}};
       js_all.push_back(mean_of(js));
       cos_all.push_back(cos);
     }
@@ -494,9 +571,12 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
   // Flags: tau_align above the threshold, and every gate a sample violates.
   std::vector<GateResult> gate_results;
   for (auto& rec : samples) rec["flags"] = nlohmann::json::array();
-  for (auto& rec : samples)
+  for (auto& rec : samples) {
     if (rec["metrics"]["tau_align"].get<double>() > options.tau_threshold)
       rec["flags"].push_back(fmt::format("tau_align>{}", options.tau_threshold));
+    if (rec["dt_sem"].is_object() && rec["dt_sem"].value("flagged", false))
+      rec["flags"].push_back(fmt::format("dt_sem_ms>{}", options.dt_sem_threshold_ms));
+  }
   for (const auto& gate : gates) {
     std::vector<double> values;
     for (auto& rec : samples) {
@@ -520,6 +600,20 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
   int64_t correct = 0;
   for (const auto& rec : samples) correct += rec["correct"].get<bool>();
   summary["accuracy"] = static_cast<double>(correct) / static_cast<double>(total);
+  {
+    std::vector<double> delays;
+    int64_t late = 0;
+    for (const auto& rec : samples)
+      if (rec["dt_sem"].is_object() && rec["dt_sem"].contains("dt_sem_ms")) {
+        delays.push_back(rec["dt_sem"]["dt_sem_ms"].get<double>());
+        late += rec["dt_sem"]["flagged"].get<bool>();
+      }
+    summary["dt_sem"] = {{"threshold_ms", options.dt_sem_threshold_ms},
+                         {"samples", delays.size()},
+                         {"flagged", late},
+                         {"flagged_fraction", delays.empty() ? 0.0 : static_cast<double>(late) / static_cast<double>(delays.size())},
+                         {"mean_ms", delays.empty() ? nlohmann::json() : nlohmann::json(mean_of(delays))}};
+  }
   nlohmann::json metric_stats;
   for (const auto& name : gate_metrics()) {
     std::vector<double> values;
@@ -562,6 +656,7 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
         {"prompt_template", options.session.prompt_template},
         {"max_new_tokens", options.session.max_new_tokens},
         {"tau_threshold", options.tau_threshold},
+        {"dt_sem_threshold_ms", options.dt_sem_threshold_ms},
         {"sink_factor", options.sink_factor},
         {"sink_head_share", options.sink_head_share},
         {"massive_factor", options.massive_factor},
@@ -591,13 +686,26 @@ DiagnoseResult diagnose(const DiagnoseOptions& options) {
     for (const size_t i : order) {
       if (static_cast<int64_t>(figures.size()) >= options.heatmaps) break;
       const auto map = overall_map(analyses[i]);
-      auto png = heatmap_png(images[i], row_span(map, 0));
+      auto weights = row_span(map, 0);
+      size_t frame = 0;
+      std::string frame_note;
+      if (const auto& dt = samples[i]["dt_sem"]; dt.is_object()) {
+        // A clip: the heatmap of the frame the answer row attends to most, over that frame.
+        const auto mass = dt["frame_mass"].get<std::vector<double>>();
+        frame = static_cast<size_t>(std::max_element(mass.begin(), mass.end()) - mass.begin());
+        const size_t per_frame = weights.size() / mass.size();
+        weights = weights.subspan(frame * per_frame, per_frame);
+        frame_note = dt.contains("dt_sem_ms")
+                         ? fmt::format(" | frame {} of {}, dt_sem {:.0f} ms", frame, mass.size(), dt["dt_sem_ms"].get<double>())
+                         : fmt::format(" | frame {} of {}", frame, mass.size());
+      }
+      auto png = heatmap_png(images[i][frame], weights);
       if (png.empty()) continue;
       const auto& m = samples[i]["metrics"];
       figures.push_back({analyses[i].id,
-                         fmt::format("{} | Q: {} | A: {} | pred: {} | tau {:.2f} nats, mass {:.3f}{}", analyses[i].id,
+                         fmt::format("{} | Q: {} | A: {} | pred: {} | tau {:.2f} nats, mass {:.3f}{}{}", analyses[i].id,
                                      analyses[i].question, analyses[i].answer, analyses[i].prediction,
-                                     m["tau_align"].get<double>(), m["attn_mass"].get<double>(),
+                                     m["tau_align"].get<double>(), m["attn_mass"].get<double>(), frame_note,
                                      samples[i]["flagged"].get<bool>() ? " | FLAGGED" : ""),
                          std::move(png)});
     }

@@ -31,6 +31,7 @@ struct DiagnoseOptions {
   int64_t limit = 32;                 // first N samples; 0 = all
   std::filesystem::path out;          // DIR for align.json and report.html (created)
   double tau_threshold = 2.1;         // nats; a sample is flagged when its tau_align is above
+  double dt_sem_threshold_ms = 320.0; // a clip sample is flagged when its dt_sem_ms is above
   double sink_factor = 5.0;           // a sink gets > sink_factor / N_visual of the visual attention ...
   double sink_head_share = 0.5;       // ... in more than this share of (layer, head) maps
   double massive_factor = 20.0;       // massive activation: token max |h| > factor * median over tokens
@@ -60,6 +61,17 @@ struct SampleAnalysis {
   std::optional<double> knockout_delta_random;  // the same with k random visual tokens masked (control)
   int64_t knockout_k = 0;
   int64_t answer_tokens = 0;
+  // Frame sequences: images in the prompt (1 + sample.frames.size(); the visual
+  // tokens are frame-major, visual_tokens / images per frame), and from the sample's
+  // meta the frame times and the event time (empty / nullopt when absent).
+  int64_t images = 1;
+  std::vector<double> frame_times_ms;
+  std::optional<double> event_time_ms;
+  // Frame sequences only: [L,H,N] text->visual maps averaged over the rows that emit
+  // the greedy answer's tokens (EOS excluded; the last prompt row when there is at
+  // most one), and how many rows that is.
+  torch::Tensor answer_maps;
+  int64_t answer_rows = 0;
 };
 
 struct AnalysisOptions {

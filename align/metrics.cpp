@@ -134,10 +134,30 @@ double cosine_similarity(std::span<const double> a, std::span<const double> b) {
   return ab / std::sqrt(aa * bb);
 }
 
+std::vector<double> frame_masses(std::span<const double> map, int64_t frames) {
+  VLMOPT_CHECK(frames >= 1 && !map.empty() && map.size() % static_cast<size_t>(frames) == 0,
+               "{} visual tokens do not split into {} frames", map.size(), frames);
+  const size_t per_frame = map.size() / static_cast<size_t>(frames);
+  std::vector<double> mass(static_cast<size_t>(frames), 0.0);
+  for (size_t j = 0; j < map.size(); ++j) mass[j / per_frame] += map[j];
+  return mass;
+}
+
+TemporalDelay temporal_delay(std::span<const double> frame_mass, std::span<const double> frame_times_ms,
+                             double event_time_ms, double threshold_ms) {
+  VLMOPT_CHECK(!frame_mass.empty() && frame_mass.size() == frame_times_ms.size(),
+               "{} frame masses for {} frame times", frame_mass.size(), frame_times_ms.size());
+  TemporalDelay d;
+  d.attended_frame = std::max_element(frame_mass.begin(), frame_mass.end()) - frame_mass.begin();
+  d.dt_sem_ms = std::abs(frame_times_ms[static_cast<size_t>(d.attended_frame)] - event_time_ms);
+  d.flagged = d.dt_sem_ms > threshold_ms;
+  return d;
+}
+
 const std::vector<std::string>& gate_metrics() {
   static const std::vector<std::string> names = {
       "tau_align", "tau_norm", "attn_mass", "topk_mass", "pos_bias", "last_tau_align", "last_attn_mass", "js_drift",
-      "modality_gap", "sink_tokens", "knockout_delta", "cmp_js", "cmp_projector_cos"};
+      "modality_gap", "sink_tokens", "knockout_delta", "dt_sem_ms", "cmp_js", "cmp_projector_cos"};
   return names;
 }
 

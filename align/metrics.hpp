@@ -45,6 +45,25 @@ double js_divergence(std::span<const double> p, std::span<const double> q);
 // Cosine similarity of two equal-length vectors; 0 when either is all zeros.
 double cosine_similarity(std::span<const double> a, std::span<const double> b);
 
+// --- Frame sequences: temporal delay Δt_sem ------------------------------------
+
+// Attention mass per frame of a text->visual map over `frames` frames of equal
+// token count, in frame-major order (frame f holds tokens [f*n, (f+1)*n),
+// n = map.size() / frames): the sum of the map over each frame's tokens.
+// VLMOPT_CHECK: frames >= 1 and map.size() divisible by frames.
+std::vector<double> frame_masses(std::span<const double> map, int64_t frames);
+
+struct TemporalDelay {
+  int64_t attended_frame = 0;  // argmax of the frame masses (the first on ties)
+  double dt_sem_ms = 0.0;      // |frame_times_ms[attended_frame] - event_time_ms|
+  bool flagged = false;        // dt_sem_ms > threshold_ms
+};
+
+// Δt_sem of per-frame attention masses (docs/align.md). VLMOPT_CHECK: equal,
+// non-zero lengths of masses and times.
+TemporalDelay temporal_delay(std::span<const double> frame_mass, std::span<const double> frame_times_ms,
+                             double event_time_ms, double threshold_ms);
+
 // --- CI gates: --fail-on 'METRIC>VALUE[:PCT%]' ---------------------------------
 
 // A gate fails when MORE than `max_fraction` of the samples that have the metric

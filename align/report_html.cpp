@@ -271,7 +271,7 @@ std::string render_report_html(const nlohmann::json& report, const std::vector<H
   // --- summary ---
   h += "<h2>Summary</h2><table>";
   h += fmt::format("<tr><th>samples</th><td class=\"num\">{}</td></tr>", summary["samples"].get<int64_t>());
-  h += fmt::format("<tr><th>flagged (tau_align &gt; {} nats or a gate)</th><td class=\"num\">{} ({:.1f} %)</td></tr>",
+  h += fmt::format("<tr><th>flagged (tau_align &gt; {} nats, &Delta;t<sub>sem</sub> over its threshold, or a gate)</th><td class=\"num\">{} ({:.1f} %)</td></tr>",
                    summary["tau_threshold"].get<double>(), summary["flagged"].get<int64_t>(),
                    100.0 * summary["flagged_fraction"].get<double>());
   h += fmt::format("<tr><th>answer accuracy (exact match)</th><td class=\"num\">{:.4f}</td></tr>", summary["accuracy"].get<double>());
@@ -336,6 +336,45 @@ std::string render_report_html(const nlohmann::json& report, const std::vector<H
                      html_escape(fig.sample_id), base64_encode(fig.png), html_escape(fig.caption));
   }
   h += "</div>\n";
+
+  // --- frame sequences: per-frame attention of the answer row and Δt_sem ---
+  if (summary.contains("dt_sem") && summary["dt_sem"]["samples"].get<int64_t>() > 0) {
+    const auto& dt = summary["dt_sem"];
+    h += "<h2>Frame sequences: &Delta;t<sub>sem</sub></h2><table>";
+    h += fmt::format("<tr><th>clip samples</th><td class=\"num\">{}</td></tr>", dt["samples"].get<int64_t>());
+    h += fmt::format("<tr><th>flagged (&Delta;t<sub>sem</sub> &gt; {} ms)</th><td class=\"num\">{} ({:.1f} %)</td></tr>",
+                     dt["threshold_ms"].get<double>(), dt["flagged"].get<int64_t>(),
+                     100.0 * dt["flagged_fraction"].get<double>());
+    h += fmt::format("<tr><th>mean &Delta;t<sub>sem</sub> (ms)</th><td class=\"num\">{}</td></tr></table>\n",
+                     fmt_number(number_or_nan(dt, "mean_ms"), 1));
+    h += "<table><tr><th>id</th><th>attention mass per frame (answer row; event frame outlined)</th><th>attended frame</th>"
+         "<th>event (ms)</th><th>&Delta;t<sub>sem</sub> (ms)</th></tr>";
+    for (const auto& s : report["samples"]) {
+      const auto& d = s["dt_sem"];
+      if (!d.is_object() || !d.contains("dt_sem_ms")) continue;
+      const auto mass = d["frame_mass"].get<std::vector<double>>();
+      const auto times = d["frame_times_ms"].get<std::vector<double>>();
+      const double event = d["event_time_ms"].get<double>();
+      const double peak = std::max(1e-12, *std::max_element(mass.begin(), mass.end()));
+      constexpr int kBarWidth = 28, kBarGap = 6, kBarHeight = 30;
+      const int width = static_cast<int>(mass.size()) * (kBarWidth + kBarGap);
+      std::string bars = fmt::format("<svg width=\"{}\" height=\"{}\" role=\"img\">", width, kBarHeight + 12);
+      for (size_t f = 0; f < mass.size(); ++f) {
+        const int bar = static_cast<int>(std::lround(kBarHeight * mass[f] / peak));
+        const int x = static_cast<int>(f) * (kBarWidth + kBarGap);
+        const bool is_event = times[f] == event;
+        bars += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"{}\" height=\"{}\" fill=\"#1f6feb\"{}><title>frame {} ({} ms): mass {:.4f}</title></rect>",
+                            x, kBarHeight - bar, kBarWidth, std::max(bar, 1),
+                            is_event ? " stroke=\"#b3261e\" stroke-width=\"2\"" : "", f, times[f], mass[f]);
+        bars += fmt::format("<text x=\"{}\" y=\"{}\" font-size=\"10\">{:.3f}</text>", x, kBarHeight + 11, mass[f]);
+      }
+      bars += "</svg>";
+      h += fmt::format("<tr class=\"{}\"><td>{}</td><td>{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td><td class=\"num\">{}</td></tr>",
+                       d["flagged"].get<bool>() ? "flagged" : "", html_escape(s["id"].get<std::string>()), bars,
+                       d["attended_frame"].get<int64_t>(), fmt_number(event, 0), fmt_number(d["dt_sem_ms"].get<double>(), 0));
+    }
+    h += "</table>\n";
+  }
 
   // --- samples ---
   const auto sample_row = [&](const nlohmann::json& s) {

@@ -41,13 +41,23 @@ nlohmann::json show(const ShowOptions& options) {
                             {"question_type", sample.question_type},
                             {"meta", sample.meta}};
     if (options.dump_dir) {
-      cv::Mat bgr;
-      cv::cvtColor(sample.image, bgr, cv::COLOR_RGB2BGR);
-      std::vector<uint8_t> png;
-      if (!cv::imencode(".png", bgr, png)) throw Error(ExitCode::kFailure, fmt::format("cannot encode sample {} as PNG", i));
-      const fs::path file = *options.dump_dir / fmt::format("sample_{:06d}.png", i);
-      io::write_file_atomic(file, std::as_bytes(std::span(png)));
-      entry["image_file"] = file.string();
+      const auto write_png = [&](const cv::Mat& rgb, const std::string& name) {
+        cv::Mat bgr;
+        cv::cvtColor(rgb, bgr, cv::COLOR_RGB2BGR);
+        std::vector<uint8_t> png;
+        if (!cv::imencode(".png", bgr, png)) throw Error(ExitCode::kFailure, fmt::format("cannot encode sample {} as PNG", i));
+        const fs::path file = *options.dump_dir / name;
+        io::write_file_atomic(file, std::as_bytes(std::span(png)));
+        return file.string();
+      };
+      entry["image_file"] = write_png(sample.image, fmt::format("sample_{:06d}.png", i));
+      if (!sample.frames.empty()) {
+        // Frame 0 is the image above; later frames get their frame number.
+        nlohmann::json frame_files = nlohmann::json::array();
+        for (size_t f = 0; f < sample.frames.size(); ++f)
+          frame_files.push_back(write_png(sample.frames[f], fmt::format("sample_{:06d}_frame{}.png", i, f + 1)));
+        entry["frame_files"] = std::move(frame_files);
+      }
     }
     samples.push_back(std::move(entry));
   }
@@ -64,6 +74,13 @@ std::string format_show(const nlohmann::json& result) {
     const std::string type = s.at("question_type").get<std::string>();
     out += fmt::format("\n[{}] {}  {}x{}{}{}\n", s.at("index").get<std::size_t>(), s.at("id").get<std::string>(),
                        s.at("width").get<int>(), s.at("height").get<int>(), type.empty() ? "" : "  type=", type);
+    if (const auto frames = s.at("frames").get<std::size_t>(); frames > 0) {
+      const auto& meta = s.at("meta");
+      out += fmt::format("    frames: {} more", frames);
+      if (meta.contains("frame_times_ms")) out += fmt::format(", times {} ms", meta.at("frame_times_ms").dump());
+      if (meta.contains("event_frame")) out += fmt::format(", event at frame {}", meta.at("event_frame").dump());
+      out += "\n";
+    }
     out += fmt::format("    Q: {}\n    A: {}\n", s.at("question").get<std::string>(), s.at("answer").get<std::string>());
     if (s.contains("image_file")) out += fmt::format("    image: {}\n", s.at("image_file").get<std::string>());
   }

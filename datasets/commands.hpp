@@ -18,7 +18,8 @@ struct ShowOptions {
 };
 
 // {"spec", "description", "size", "samples": [{"index", "id", "width", "height",
-//  "frames", "question", "answer", "question_type", "meta", "image_file"?}]}
+//  "frames", "question", "answer", "question_type", "meta", "image_file"?, "frame_files"?}]}
+// (frames: extra frames after the image; frame_files: their PNGs with --dump, frames only)
 nlohmann::json show(const ShowOptions& options);
 std::string format_show(const nlohmann::json& result);  // human-readable form of show()'s result
 

@@ -747,6 +747,47 @@ Sample generate_builtin_sample(BuiltinSplit split, std::size_t index) {
   return sample;
 }
 
+std::array<int, 3> jittered_color_rgb(Rng& rng, int color) {
+  VLMOPT_CHECK(color >= 0 && color < kNumColors, "colour index {}", color);
+  const auto& base = kColors[static_cast<std::size_t>(color)];
+  return {std::clamp(base.r + rng.uniform_int(-kColorJitter, kColorJitter), 0, 255),
+          std::clamp(base.g + rng.uniform_int(-kColorJitter, kColorJitter), 0, 255),
+          std::clamp(base.b + rng.uniform_int(-kColorJitter, kColorJitter), 0, 255)};
+}
+
+namespace {
+
+Object object_of(const ShapeSprite& sprite) {
+  VLMOPT_CHECK(sprite.shape >= 0 && sprite.shape < kNumShapes, "shape index {}", sprite.shape);
+  Object o;
+  o.shape = sprite.shape;
+  o.color = sprite.color;
+  o.cx = sprite.cx;
+  o.cy = sprite.cy;
+  o.radius = sprite.radius;
+  o.rotation = sprite.rotation;
+  o.rgb = sprite.rgb;
+  o.outline = shape_outline(sprite.shape, sprite.radius, sprite.rotation);
+  double extent = o.radius;
+  for (const auto& p : o.outline) extent = std::max({extent, std::abs(p.x), std::abs(p.y)});
+  o.half = static_cast<int>(std::ceil(extent)) + 1;  // +1: anti-aliased outline
+  return o;
+}
+
+}  // namespace
+
+int sprite_half_extent(const ShapeSprite& sprite) { return object_of(sprite).half; }
+
+void draw_sprite(cv::Mat& rgb_image, const ShapeSprite& sprite) {
+  VLMOPT_CHECK(rgb_image.type() == CV_8UC3, "sprite target image type {}", rgb_image.type());
+  draw_object(rgb_image, object_of(sprite));
+}
+
+std::string draw_scene_background(Rng& rng, cv::Mat& rgb_image) {
+  VLMOPT_CHECK(rgb_image.type() == CV_8UC3, "background image type {}", rgb_image.type());
+  return render_background(rng, rgb_image);
+}
+
 BuiltinSource::BuiltinSource(BuiltinSplit split) : split_(split) {
   DigitSheet::shared();  // fail now, not at the first digit question
 }

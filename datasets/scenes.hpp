@@ -13,8 +13,10 @@
 #pragma once
 
 #include "datasets/digits.hpp"
+#include "datasets/rng.hpp"
 #include "datasets/source.hpp"
 
+#include <array>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -57,6 +59,29 @@ const std::vector<std::string>& builtin_sizes();    // small large
 //  "digits":  [{"sheet_index","label","x","y","side"}]}  (x, y: top-left of the box, pixels)
 // Throws InputError for index >= split size or when the digit sheet is missing.
 Sample generate_builtin_sample(BuiltinSplit split, std::size_t index);
+
+// --- Drawing primitives shared with the other synthetic generators (datasets/clips.hpp) ---
+
+// One coloured shape as the scenes draw it. shape / color index builtin_shapes() /
+// builtin_colors(); radius in px (scenes use 7-9 small, 13-16 large); rotation in radians.
+struct ShapeSprite {
+  int shape = 0;
+  int color = 0;
+  int cx = 0, cy = 0;       // centre pixel
+  int radius = 8;
+  double rotation = 0.0;
+  std::array<int, 3> rgb{};  // fill colour (the named colour, optionally jittered)
+};
+
+// The named colour's RGB with the scenes' per-channel jitter (+-12) drawn from rng.
+std::array<int, 3> jittered_color_rgb(Rng& rng, int color);
+// Half side in px of the sprite's axis-aligned bounding box, anti-aliased rim included.
+int sprite_half_extent(const ShapeSprite& sprite);
+// Fills the sprite (darker anti-aliased rim) into an RGB uint8 image.
+void draw_sprite(cv::Mat& rgb_image, const ShapeSprite& sprite);
+// Fills an RGB uint8 image with one of the scene backgrounds drawn from rng; returns
+// its name ("plain", "noise" or "gradient").
+std::string draw_scene_background(Rng& rng, cv::Mat& rgb_image);
 
 class BuiltinSource final : public DatasetSource {
  public:

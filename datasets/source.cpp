@@ -1,5 +1,6 @@
 #include "datasets/source.hpp"
 
+#include "datasets/clips.hpp"
 #include "datasets/hdf5_pack.hpp"
 #include "datasets/jsonl.hpp"
 #include "datasets/scenes.hpp"
@@ -17,7 +18,7 @@ namespace fs = std::filesystem;
 namespace {
 
 constexpr std::string_view kBuiltinPrefix = "builtin:";
-constexpr std::string_view kSpecHelp = "expected builtin:train|calib|eval|stress, a .jsonl file or a .h5 pack";
+constexpr std::string_view kSpecHelp = "expected builtin:train|calib|eval|stress|clips, a .jsonl file or a .h5 pack";
 
 std::string lowercase_extension(const fs::path& path) {
   std::string ext = path.extension().string();
@@ -35,6 +36,7 @@ void check_index(std::size_t i, std::size_t size, const std::string& what) {
 
 std::unique_ptr<DatasetSource> open_dataset(const std::string& spec) {
   if (spec.empty()) throw InputError(fmt::format("dataset spec is empty ({})", kSpecHelp));
+  if (spec == kClipsSpec) return std::make_unique<ClipSource>();
   if (spec.starts_with(kBuiltinPrefix)) {
     const std::string_view split_name = std::string_view(spec).substr(kBuiltinPrefix.size());
     const auto split = parse_builtin_split(split_name);

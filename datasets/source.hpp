@@ -38,6 +38,7 @@ class DatasetSource {
 
 // Opens a dataset spec:
 //   builtin:train | builtin:calib | builtin:eval | builtin:stress   synthetic scenes
+//   builtin:clips                                                   synthetic 3-frame clips (datasets/clips.hpp)
 //   <path>.jsonl                                                    LLaVA JSONL, images relative to its folder
 //   <path>.h5 | <path>.hdf5                                         a pack written by `vlmopt datasets pack`
 // Throws InputError naming the spec when it is none of these or cannot be opened.

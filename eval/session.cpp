@@ -96,10 +96,27 @@ void VlmSession::apply_prune_options() {
   if (plan) spdlog::info("pruning: {}", prune_description_);
 }
 
-std::vector<int64_t> VlmSession::prompt_ids(const std::string& question) const {
+std::vector<int64_t> VlmSession::prompt_ids(const std::string& question, int64_t images) const {
+  VLMOPT_CHECK(images >= 1, "prompt for {} images", images);
   std::string prompt = options_.prompt_template;
   prompt.replace(prompt.find("{question}"), std::string_view("{question}").size(), question);
   const auto& cfg = model_.config();
+  if (images > 1) {
+    // One placeholder per image, in order, as HF LlavaProcessor expects for several images.
+    const std::string placeholder = tokenizer_.id_to_token(cfg.image_token_id);
+    int64_t present = 0;
+    for (auto at = prompt.find(placeholder); !placeholder.empty() && at != std::string::npos;
+         at = prompt.find(placeholder, at + placeholder.size()))
+      ++present;
+    if (present == 1) {
+      std::string repeated = placeholder;
+      for (int64_t i = 1; i < images; ++i) repeated += "\n" + placeholder;
+      prompt.replace(prompt.find(placeholder), placeholder.size(), repeated);
+    } else if (present != images) {
+      throw InputError(fmt::format("--prompt-template: a sample with {} images needs 1 or {} '{}' placeholders, got {}",
+                                   images, images, placeholder, present));
+    }
+  }
   return tokenizer::build_llava_input(tokenizer_, prompt, cfg.image_token_id, cfg.image_tokens_per_image());
 }
 
@@ -111,9 +128,10 @@ PreparedBatch VlmSession::prepare(const std::vector<datasets::Sample>& samples) 
   images.reserve(samples.size());
   size_t longest = 0;
   for (const auto& s : samples) {
-    ids.push_back(prompt_ids(s.question));
+    ids.push_back(prompt_ids(s.question, 1 + static_cast<int64_t>(s.frames.size())));
     longest = std::max(longest, ids.back().size());
     images.push_back(s.image);
+    images.insert(images.end(), s.frames.begin(), s.frames.end());
   }
   const auto batch = static_cast<int64_t>(samples.size());
   auto input_ids = torch::full({batch, static_cast<int64_t>(longest)}, pad_id_, torch::kLong);

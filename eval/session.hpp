@@ -52,7 +52,8 @@ struct SessionOptions {
   bool straight_through = false;
 };
 
-// One model input batch: left-padded ids and mask [B,T], pixel values [B,3,H,W].
+// One model input batch: left-padded ids and mask [B,T], pixel values [images,3,H,W]
+// (images == B unless samples have frames).
 struct PreparedBatch {
   torch::Tensor input_ids;
   torch::Tensor attention_mask;
@@ -75,8 +76,14 @@ class VlmSession {
   const std::vector<int64_t>& eos_ids() const { return eos_ids_; }
   int64_t pad_id() const { return pad_id_; }
 
-  // Token ids of one prompt (with the image tokens expanded) for `question`.
-  std::vector<int64_t> prompt_ids(const std::string& question) const;
+  // Token ids of one prompt (with the image tokens expanded) for `question` about
+  // `images` images. For images > 1 the template's single image placeholder becomes
+  // `images` placeholders joined by "\n" ("USER: <image>\n<image>\n<image>\n{question} ASSISTANT:"),
+  // unless the template already holds exactly `images` placeholders. InputError otherwise.
+  std::vector<int64_t> prompt_ids(const std::string& question, int64_t images = 1) const;
+  // A sample with frames gets one placeholder per image (image, then frames in
+  // order); pixel_values then holds all images of all samples in that order
+  // ([sum of images,3,H,W]) and the model fills the image tokens with them in order.
   PreparedBatch prepare(const std::vector<datasets::Sample>& samples) const;
   // Greedy answers, decoded without special tokens and trimmed.
   std::vector<std::string> answer(const std::vector<datasets::Sample>& samples);

@@ -162,6 +162,59 @@ TEST_CASE("gates: evaluation counts violating samples against the allowed share"
   CHECK(evaluate_gate(strict, std::vector<double>{}).passed);  // no samples carry the metric
 }
 
+TEST_CASE("dt_sem: per-frame masses of a frame-major map, attended frame, delay and the flag at the threshold") {
+  // 3 frames x 4 tokens; the answer row puts 0.05 on every token of frames 0
+  // and 2 and 0.10 on frame 1's tokens (plus a spike on one frame-2 token that
+  // does not outweigh frame 1 as a whole).
+  std::vector<double> map(12, 0.05);
+  for (size_t j = 4; j < 8; ++j) map[j] = 0.10;
+  map[9] = 0.15;
+  const auto mass = frame_masses(map, 3);
+  REQUIRE(mass.size() == 3);
+  CHECK(mass[0] == doctest::Approx(0.20));
+  CHECK(mass[1] == doctest::Approx(0.40));
+  CHECK(mass[2] == doctest::Approx(0.30));
+
+  const std::vector<double> times = {0.0, 400.0, 800.0};
+  auto d = temporal_delay(mass, times, 800.0, 320.0);  // event in frame 2, the model looks at frame 1
+  CHECK(d.attended_frame == 1);
+  CHECK(d.dt_sem_ms == doctest::Approx(400.0));
+  CHECK(d.flagged);
+  d = temporal_delay(mass, times, 400.0, 320.0);  // on the event frame
+  CHECK(d.attended_frame == 1);
+  CHECK(d.dt_sem_ms == 0.0);
+  CHECK_FALSE(d.flagged);
+  // The flag is strict: a delay equal to the threshold is not flagged, one above it is.
+  d = temporal_delay(mass, times, 80.0, 320.0);
+  CHECK(d.dt_sem_ms == doctest::Approx(320.0));
+  CHECK_FALSE(d.flagged);
+  d = temporal_delay(mass, times, 79.0, 320.0);
+  CHECK(d.dt_sem_ms == doctest::Approx(321.0));
+  CHECK(d.flagged);
+  // Ties go to the earliest frame.
+  const std::vector<double> tied = {0.2, 0.3, 0.3};
+  CHECK(temporal_delay(tied, times, 800.0, 320.0).attended_frame == 1);
+  // One frame: its whole map is the frame mass.
+  CHECK(frame_masses(map, 1) == std::vector<double>{std::accumulate(map.begin(), map.end(), 0.0)});
+  // Shape errors are internal checks.
+  CHECK_THROWS_AS(frame_masses(map, 5), Error);
+  CHECK_THROWS_AS(frame_masses(map, 0), Error);
+  CHECK_THROWS_AS(temporal_delay(mass, std::vector<double>{0.0, 400.0}, 0.0, 320.0), Error);
+}
+
+TEST_CASE("gates: dt_sem_ms is a gate metric") {
+  const auto gate = parse_gate("dt_sem_ms>320:10%");
+  CHECK(gate.metric == "dt_sem_ms");
+  CHECK(gate.threshold == doctest::Approx(320.0));
+  CHECK(gate.max_fraction == doctest::Approx(0.10));
+  // 1 of 10 clips late: allowed; 2 of 10: failed.
+  std::vector<double> delays(10, 0.0);
+  delays[3] = 400.0;
+  CHECK(evaluate_gate(gate, delays).passed);
+  delays[7] = 800.0;
+  CHECK_FALSE(evaluate_gate(gate, delays).passed);
+}
+
 TEST_CASE("report helpers: base64 and the heatmap PNG") {
   const auto bytes = [](const std::string& s) {
     return std::vector<unsigned char>(s.begin(), s.end());

@@ -5,13 +5,17 @@
 #include "align/diagnose.hpp"
 #include "bundle/export.hpp"
 #include "bundle_test_util.hpp"
+#include "datasets/processor.hpp"
+#include "tokenizer/prompt.hpp"
 #include "util/error.hpp"
 #include "util/paths.hpp"
 
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <regex>
 #include <string>
 #include <vector>
@@ -298,4 +302,200 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
   }
   // Scrambling the features also destroys the answers: the flags point at a real failure.
   CHECK(bad.report["summary"]["accuracy"].get<double>() < clean.report["summary"]["accuracy"].get<double>());
+}
+
+TEST_CASE("frame sequences: a clip is prompted with one <image> per frame, filled with the frames in order") {
+  auto session = eval::VlmSession::open([] {
+    eval::SessionOptions so;
+    so.model = fixture_dir("clip_llama_old").string();
+    so.max_new_tokens = 3;
+    return so;
+  }());
+  auto& model = session.model();
+  const auto per_image = model.config().image_tokens_per_image();
+  const auto clips = datasets::open_dataset("builtin:clips");
+  const auto still = datasets::open_dataset("builtin:eval")->get(0);
+  const auto clip = clips->get(0);
+  REQUIRE(clip.frames.size() == 2);
+
+  // Still images keep the single-placeholder prompt.
+  CHECK(session.prompt_ids(still.question) == session.prompt_ids(still.question, 1));
+  const auto clip_batch = session.prepare({clip});
+  CHECK(clip_batch.pixel_values.size(0) == 3);
+  const auto image_mask = model.image_token_mask(clip_batch.input_ids)[0];
+  CHECK(image_mask.sum().item<int64_t>() == 3 * per_image);
+  // The HF multi-image prompt: one placeholder per frame, joined by newlines.
+  const auto expected = tokenizer::build_llava_input(
+      session.tokenizer(), "USER: <image>\n<image>\n<image>\n" + clip.question + " ASSISTANT:",
+      model.config().image_token_id, per_image);
+  CHECK(session.prompt_ids(clip.question, 3) == expected);
+  CHECK_THROWS_AS(session.prompt_ids(clip.question, 0), Error);
+  {
+    // A custom template with one placeholder per image is used as is; any other count is an input error.
+    eval::SessionOptions so = session.options();
+    so.prompt_template = "<image> <image> <image> {question}";
+    auto three = eval::VlmSession::open(so);
+    CHECK(model.image_token_mask(torch::tensor(three.prompt_ids(clip.question, 3))).sum().item<int64_t>() == 3 * per_image);
+    CHECK_THROWS_AS(three.prompt_ids(clip.question, 2), InputError);
+  }
+  const auto positions = image_mask.nonzero().flatten();
+
+  // The k-th block of image tokens holds frame k's projector output, computed here frame by frame.
+  torch::NoGradGuard no_grad;
+  const std::vector<cv::Mat> frames = {clip.image, clip.frames[0], clip.frames[1]};
+  const auto features = model.image_features(clip_batch.pixel_values);  // [3,N,D]
+  const auto embeds = model.embed(clip_batch.input_ids, features)[0];    // [T,D]
+  for (int64_t f = 0; f < 3; ++f) {
+    const auto alone = model.image_features(
+        datasets::preprocess_batch({frames[static_cast<size_t>(f)]}, session.processor()).to(model.dtype()))[0];
+    const auto rows = embeds.index_select(0, positions.slice(0, f * per_image, (f + 1) * per_image));
+    CHECK(torch::allclose(rows, alone, 1e-5, 1e-6));
+  }
+  // The event frame differs from the others, so the blocks are not interchangeable.
+  const int64_t k = clip.meta["event_frame"].get<int64_t>();
+  CHECK_FALSE(torch::allclose(features[k], features[0]));
+
+  // A batch mixing a still image and a clip answers each as alone.
+  const auto mixed = session.prepare({still, clip});
+  CHECK(mixed.pixel_values.size(0) == 4);
+  const auto together = session.answer(mixed);
+  REQUIRE(together.size() == 2);
+  CHECK(together[0] == session.answer(std::vector<datasets::Sample>{still})[0]);
+  CHECK(together[1] == session.answer(std::vector<datasets::Sample>{clip})[0]);
+}
+
+TEST_CASE("diagnose-align on builtin:clips: per-frame masses, dt_sem, its flag and gate") {
+  TempDir tmp("align_clips");
+  auto options = fixture_options(tmp, "clips");
+  options.data = "builtin:clips";
+  options.knockout_limit = 1;
+  options.heatmaps = 2;
+  options.fail_on = {"dt_sem_ms>900:0%", "dt_sem_ms>-1:0%"};  // delays are 0, 400 or 800 ms
+  const auto result = align::diagnose(options);
+  const auto& j = result.report;
+  const auto clips = datasets::open_dataset("builtin:clips");
+  CHECK(j["config"]["dt_sem_threshold_ms"].get<double>() == 320.0);
+  CHECK(j["model"]["visual_tokens"] == 16);  // per image
+  REQUIRE(j["samples"].size() == 4);
+  std::vector<double> delays;
+  for (size_t i = 0; i < 4; ++i) {
+    CAPTURE(i);
+    const auto& s = j["samples"][i];
+    const auto sample = clips->get(i);
+    CHECK(s["visual_tokens"] == 3 * 16);
+    const auto& d = s["dt_sem"];
+    REQUIRE(d.is_object());
+    CHECK(d["frames"] == 3);
+    CHECK(d["query"] == "answer");
+    const auto rows = d["answer_rows"].get<int64_t>();
+    CHECK(rows >= 1);
+    CHECK(rows <= options.session.max_new_tokens);
+    const auto mass = d["frame_mass"].get<std::vector<double>>();
+    REQUIRE(mass.size() == 3);
+    for (const double w : mass) CHECK(w > 0.0);
+    // With a one-token answer the frame masses split the last row's visual mass.
+    if (rows == 1)
+      CHECK(mass[0] + mass[1] + mass[2] == doctest::Approx(s["metrics"]["last_attn_mass"].get<double>()).epsilon(1e-9));
+    const auto attended = std::max_element(mass.begin(), mass.end()) - mass.begin();
+    CHECK(d["attended_frame"].get<int64_t>() == attended);
+    const auto times = sample.meta["frame_times_ms"].get<std::vector<double>>();
+    const double event = sample.meta["event_time_ms"].get<double>();
+    CHECK(d["frame_times_ms"].get<std::vector<double>>() == times);
+    CHECK(d["event_time_ms"].get<double>() == event);
+    const double dt = std::abs(times[static_cast<size_t>(attended)] - event);
+    CHECK(d["dt_sem_ms"].get<double>() == dt);
+    CHECK(s["metrics"]["dt_sem_ms"].get<double>() == dt);
+    CHECK(d["flagged"].get<bool>() == (dt > 320.0));
+    const auto& flags = s["flags"];
+    CHECK((std::find(flags.begin(), flags.end(), "dt_sem_ms>320") != flags.end()) == (dt > 320.0));
+    delays.push_back(dt);
+  }
+  CHECK(j["samples"][0]["knockout"].is_object());  // knock-out runs on multi-image prompts too
+  const auto& summary = j["summary"]["dt_sem"];
+  CHECK(summary["samples"] == 4);
+  CHECK(summary["flagged"].get<int64_t>() == std::count_if(delays.begin(), delays.end(), [](double d) { return d > 320.0; }));
+  CHECK(summary["mean_ms"].get<double>() == doctest::Approx(std::accumulate(delays.begin(), delays.end(), 0.0) / 4.0));
+  CHECK(j["summary"]["metrics"]["dt_sem_ms"]["n"] == 4);
+
+  REQUIRE(result.gates.size() == 2);
+  CHECK(result.gates[0].passed);
+  CHECK(result.gates[0].samples == 4);
+  CHECK_FALSE(result.gates[1].passed);
+  try {
+    align::enforce_gates(result);
+    FAIL("enforce_gates did not throw");
+  } catch (const GateError& e) {
+    CHECK(e.code() == ExitCode::kGateFailed);
+    CHECK(std::string(e.what()).find("dt_sem_ms>-1:0%") != std::string::npos);
+  }
+
+  // Independent recomputation of clip 0's frame masses: one tapped forward over the
+  // prompt and the greedy answer, the answer-emitting rows read off directly.
+  {
+    auto session = eval::VlmSession::open(options.session);
+    auto& model = session.model();
+    const auto batch = session.prepare({clips->get(0)});
+    model::ForwardInputs prompt;
+    prompt.input_ids = batch.input_ids;
+    prompt.attention_mask = batch.attention_mask;
+    prompt.pixel_values = batch.pixel_values;
+    const auto generated = model.generate_greedy(prompt, options.session.max_new_tokens, session.eos_ids()).front();
+    const auto& eos = session.eos_ids();
+    std::vector<int64_t> answer;
+    for (const auto t : generated) {
+      if (std::find(eos.begin(), eos.end(), t) != eos.end()) break;
+      answer.push_back(t);
+    }
+    const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(answer.size()));
+    const auto& d = j["samples"][0]["dt_sem"];
+    CHECK(d["answer_rows"].get<int64_t>() == rows);
+    const int64_t prompt_len = batch.input_ids.size(1);
+    std::vector<int64_t> ids(batch.input_ids[0].data_ptr<int64_t>(), batch.input_ids[0].data_ptr<int64_t>() + prompt_len);
+    for (int64_t i = 0; i + 1 < rows; ++i) ids.push_back(answer[static_cast<size_t>(i)]);
+    model::ForwardInputs in;
+    in.input_ids = torch::tensor(ids, torch::kLong).unsqueeze(0);
+    in.pixel_values = batch.pixel_values;
+    std::vector<torch::Tensor> probs;
+    const int id = model.taps().subscribe("model.language_model.layers.*",
+                                          [&](std::string_view name, const torch::Tensor& p, const model::TapContext&) {
+                                            if (name.ends_with(".self_attn.probs")) probs.push_back(p[0].to(torch::kFloat64).clone());
+                                          });
+    (void)model.forward(in);
+    model.taps().unsubscribe(id);
+    REQUIRE(probs.size() == 2);
+    const auto is_image = (in.input_ids[0] == model.config().image_token_id);
+    const auto image_pos = is_image.nonzero().flatten();
+    REQUIRE(image_pos.numel() == 48);
+    std::vector<double> expected(3, 0.0);
+    const double share = 1.0 / static_cast<double>(probs.size() * probs[0].size(0) * rows);
+    for (const auto& p : probs)
+      for (int64_t h = 0; h < p.size(0); ++h)
+        for (int64_t r = prompt_len - 1; r < prompt_len - 1 + rows; ++r)
+          for (int64_t t = 0; t < 48; ++t)
+            expected[static_cast<size_t>(t / 16)] += share * p[h][r][image_pos[t].item<int64_t>()].item<double>();
+    const auto mass = d["frame_mass"].get<std::vector<double>>();
+    for (size_t f = 0; f < 3; ++f) CHECK(mass[f] == doctest::Approx(expected[f]).epsilon(1e-6));
+    MESSAGE("clip 0: " << rows << " answer rows, frame masses " << mass[0] << " " << mass[1] << " " << mass[2]);
+  }
+
+  // HTML: the frame-mass bar rows, and heatmaps of the attended frames (16-token grids).
+  const auto html = vlmopt::testing::read_text(options.out / "report.html");
+  CHECK(html.find("Frame sequences") != std::string::npos);
+  CHECK(count_occurrences(html, "<img ") == 2);
+  CHECK(html.find("dt_sem") != std::string::npos);
+
+  // Still images have no dt_sem, and a dt_sem gate then sees no samples.
+  auto still = fixture_options(tmp, "still");
+  still.limit = 2;
+  still.knockout_limit = 0;
+  still.write_html = false;
+  still.fail_on = {"dt_sem_ms>-1:0%"};
+  const auto r = align::diagnose(still);
+  for (const auto& s : r.report["samples"]) {
+    CHECK(s["dt_sem"].is_null());
+    CHECK_FALSE(s["metrics"].contains("dt_sem_ms"));
+  }
+  CHECK(r.report["summary"]["dt_sem"]["samples"] == 0);
+  CHECK(r.gates[0].samples == 0);
+  CHECK(r.gates_passed());
 }

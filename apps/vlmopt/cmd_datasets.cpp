@@ -21,7 +21,7 @@ void register_datasets(CLI::App& root, const GlobalOptions& globals) {
   CLI::App* datasets = root.add_subcommand("datasets", "Inspect dataset specs and freeze them into HDF5 packs");
   datasets->require_subcommand(1);
   datasets->footer(
-      "Dataset specs: builtin:train|calib|eval|stress, a LLaVA .jsonl file (images relative to its folder), "
+      "Dataset specs: builtin:train|calib|eval|stress|clips, a LLaVA .jsonl file (images relative to its folder), "
       "or a .h5 pack. See docs/datasets.md.");
 
   auto show_options = std::make_shared<datasets::ShowOptions>();

@@ -20,15 +20,18 @@ void register_diagnose_align(CLI::App& root, const GlobalOptions& globals) {
       ->capture_default_str();
   cmd->add_flag("--no-mp-cache{false}", opts->use_mp_cache,
                 "Run the bundle as compressed-tensors does (no FP16 outlier channels)");
-  cmd->add_option("--data", opts->data, "Dataset: builtin:train|calib|eval|stress, a .jsonl or an .h5")
+  cmd->add_option("--data", opts->data, "Dataset: builtin:train|calib|eval|stress|clips, a .jsonl or an .h5")
       ->capture_default_str();
   cmd->add_option("--limit", opts->limit, "Diagnose the first N samples (0 = all)")->capture_default_str();
   cmd->add_option("--out", opts->out, "Output directory for align.json and report.html")->required();
   cmd->add_option("--tau-threshold", opts->tau_threshold, "Flag samples whose tau_align exceeds this (nats)")
       ->capture_default_str();
+  cmd->add_option("--dt-sem-threshold-ms", opts->dt_sem_threshold_ms,
+                  "Flag frame-sequence samples whose dt_sem (attended frame vs event time) exceeds this (ms)")
+      ->capture_default_str();
   cmd->add_option("--fail-on", opts->fail_on,
                   "Gate METRIC>VALUE[:PCT%] or METRIC<VALUE[:PCT%]: exit 4 when more than PCT % of the samples "
-                  "meet the condition (repeatable), e.g. 'tau_align>2.1:5%'");
+                  "meet the condition (repeatable), e.g. 'tau_align>2.1:5%', 'dt_sem_ms>320:10%'");
   cmd->add_option("--knockout-limit", opts->knockout_limit, "Knock-out test on the first N samples (0 = none)")
       ->capture_default_str();
   cmd->add_option("--sink-factor", opts->sink_factor, "Attention sink: more than this times the uniform share")

@@ -17,7 +17,7 @@ void register_eval(CLI::App& root, const GlobalOptions& globals) {
       ->capture_default_str();
   cmd->add_flag("--no-mp-cache{false}", opts->use_mp_cache,
                 "Run the bundle as compressed-tensors does (no FP16 outlier channels)");
-  cmd->add_option("--data", opts->data, "Dataset: builtin:train|calib|eval|stress, a .jsonl or an .h5")
+  cmd->add_option("--data", opts->data, "Dataset: builtin:train|calib|eval|stress|clips, a .jsonl or an .h5")
       ->capture_default_str();
   cmd->add_option("--limit", opts->limit, "Evaluate the first N samples (0 = all)")->capture_default_str();
   cmd->add_option("--batch-size", opts->batch_size, "Samples per forward pass")->capture_default_str();
