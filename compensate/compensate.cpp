@@ -72,6 +72,7 @@ std::vector<int64_t> resolve_layers(const std::vector<int64_t>& layers, int64_t 
 struct CachedBatch {
   torch::Tensor input_ids, attention_mask;  // [B,T]
   torch::Tensor token_mask;                 // [B,T,1] float, 1 = real token
+  torch::Tensor text_mask;                  // [B,T,1] float, 1 = real text token after the first image token
   torch::Tensor student_point;              // student features before the adapter [B,N,d]
   torch::Tensor teacher_point;              // teacher features at the adapter's place [B,N,d]
   torch::Tensor teacher_projected;          // teacher projector output [B,N,D]
@@ -116,6 +117,11 @@ CachedBatch cache_batch(model::LlavaModel& teacher, model::LlavaModel& student, 
   c.input_ids = batch.input_ids.to(device, torch::kInt64);
   c.attention_mask = batch.attention_mask.to(device, torch::kInt64);
   c.token_mask = c.attention_mask.to(torch::kFloat32).unsqueeze(-1);
+  {
+    const auto image = c.input_ids == student.config().image_token_id;
+    const auto after_image = image.to(torch::kInt64).cumsum(-1) > 0;
+    c.text_mask = (after_image & image.logical_not() & (c.attention_mask != 0)).to(torch::kFloat32).unsqueeze(-1);
+  }
   const auto pixels = batch.pixel_values.to(device, torch::kFloat32);
   VLMOPT_CHECK(pixels.size(0) == c.input_ids.size(0), "compensate expects one image per sample, got {} for {}",
                pixels.size(0), c.input_ids.size(0));
@@ -185,7 +191,8 @@ LossTensors batch_loss(const CachedBatch& c, model::LlavaModel& teacher, model::
   std::vector<torch::Tensor> terms;
   if (lo.projector_feature) terms.push_back(relative_error(projected, c.teacher_projected, torch::ones({1, 1, 1}, projected.options())));
   for (size_t k = 0; k < layers.size(); ++k)
-    terms.push_back(relative_error(states[static_cast<size_t>(layers[k])], c.teacher_hidden[k], c.token_mask));
+    terms.push_back(relative_error(states[static_cast<size_t>(layers[k])], c.teacher_hidden[k],
+                                   lo.text_tokens_only ? c.text_mask : c.token_mask));
   VLMOPT_CHECK(!terms.empty(), "the perceptual loss has no features");
   const auto d = torch::stack(terms, 0).mean(0);  // [B]
   const auto weights = std::isfinite(lo.tau) ? torch::softmax(-c.entropy / lo.tau, 0)
@@ -258,6 +265,8 @@ nlohmann::json TrainOptions::to_json() const {
           {"tau", std::isfinite(loss.tau) ? nlohmann::json(loss.tau) : nlohmann::json("inf")},
           {"feature_layers", loss.feature_layers},
           {"projector_feature", loss.projector_feature},
+          {"feature_tokens", loss.text_tokens_only ? "text" : "all"},
+          {"keep_only_if_better", keep_only_if_better},
           {"probes", loss.probes},
           {"steps", steps},
           {"lr", lr},
@@ -356,6 +365,14 @@ TrainResult train_adapter(model::LlavaModel& teacher, model::LlavaModel& student
                    adapter.gate.item<double>());
   }
   result.after = mean_loss(cache, teacher, student, adapter, options, layers);
+  if (options.keep_only_if_better && options.steps > 0 && !(result.after.total < result.before.total)) {
+    spdlog::warn("compensate: training did not lower the loss ({:.6g} -> {:.6g}); the adapter is reset to the identity",
+                 result.before.total, result.after.total);
+    torch::NoGradGuard no_grad;
+    adapter.gate.zero_();
+    result.accepted = false;
+    result.after = mean_loss(cache, teacher, student, adapter, options, layers);
+  }
   result.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   return result;
 }
@@ -465,6 +482,7 @@ nlohmann::json compensate(const CompensateOptions& options) {
                            {"loss_before", trained.before.to_json()},
                            {"loss_after", trained.after.to_json()},
                            {"nan_steps", trained.nan_steps},
+                           {"accepted", trained.accepted},
                            {"fold_check", fold_check},
                            {"train_seconds", trained.seconds},
                            {"curve", curve}};

@@ -37,6 +37,7 @@ nlohmann::json EvalResult::to_json() const {
   for (const auto& [name, p] : by_type) types[name] = proportion_json(p);
   j["by_type"] = std::move(types);
   j["visual_tokens"] = visual_tokens;
+  j["visual_tokens_per_sample"] = visual_tokens_per_sample;
   j["visual_tokens_kept"] = visual_tokens_kept;
   j["prune"] = prune;
   j["latency_ms"] = latency_ms;
@@ -55,8 +56,8 @@ std::string EvalResult::format() const {
                      overall.n, lo, hi);
   out += fmt::format("pruning      {}\nvisual kept  {:.2f} per sample (mean over decoder layers)\n", prune,
                      visual_tokens_kept);
-  out += fmt::format("visual tok.  {} per image\nlatency      {:.2f} ms/sample (batch {})\n", visual_tokens,
-                     latency_ms, batch_size);
+  out += fmt::format("visual tok.  {} per image, {:.1f} per sample\nlatency      {:.2f} ms/sample (batch {})\n",
+                     visual_tokens, visual_tokens_per_sample, latency_ms, batch_size);
   out += "by type:\n";
   for (const auto& [name, p] : by_type) {
     const auto [l, h] = p.wilson95();
@@ -84,6 +85,7 @@ EvalResult evaluate(const EvalOptions& options) {
   result.visual_tokens = session.model().config().image_tokens_per_image();
   result.prune = session.prune_description();
   double kept_sum = 0.0;  // sum over samples of the per-sample mean over layers
+  int64_t images = 0;     // images over all samples (a clip sample has one per frame)
   nlohmann::json predictions = nlohmann::json::array();
 
   using Clock = std::chrono::steady_clock;
@@ -93,8 +95,11 @@ EvalResult evaluate(const EvalOptions& options) {
     std::vector<datasets::Sample> batch;
     for (int64_t i = begin; i < end; ++i) batch.push_back(source->get(static_cast<size_t>(i)));
     const auto answers = session.answer(batch);
+    int64_t batch_images = 0;
+    for (const auto& sample : batch) batch_images += 1 + static_cast<int64_t>(sample.frames.size());
+    images += batch_images;
     const auto& report = session.model().last_prune_report();
-    kept_sum += report.empty() ? static_cast<double>(result.visual_tokens * static_cast<int64_t>(batch.size()))
+    kept_sum += report.empty() ? static_cast<double>(result.visual_tokens * batch_images)
                                : report.mean_visual_tokens() * static_cast<double>(batch.size());
     for (size_t k = 0; k < batch.size(); ++k) {
       const bool ok = answers[k] == normalize_answer(batch[k].answer);
@@ -113,6 +118,8 @@ EvalResult evaluate(const EvalOptions& options) {
   result.seconds = std::chrono::duration<double>(Clock::now() - start).count();
   result.latency_ms = 1000.0 * result.seconds / static_cast<double>(total);
   result.visual_tokens_kept = kept_sum / static_cast<double>(total);
+  result.visual_tokens_per_sample =
+      static_cast<double>(result.visual_tokens * images) / static_cast<double>(total);
   if (options.predictions) {
     std::string lines;
     for (const auto& p : predictions) lines += p.dump() + "\n";

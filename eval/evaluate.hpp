@@ -39,6 +39,7 @@ struct EvalResult {
   Proportion overall;
   std::map<std::string, Proportion> by_type;
   int64_t visual_tokens = 0;       // image tokens per image the decoder sees
+  double visual_tokens_per_sample = 0.0;  // mean over samples: per image x images (frames) per sample
   // Equivalent-token accounting: visual tokens per sample averaged over the decoder
   // layers (= visual_tokens without pruning).
   double visual_tokens_kept = 0.0;
@@ -46,7 +47,7 @@ struct EvalResult {
   double latency_ms = 0.0;         // mean wall time per sample (batched), preprocessing included
   double seconds = 0.0;
   int64_t batch_size = 0;
-  nlohmann::json to_json() const;  // {accuracy, ci95, n, correct, by_type, visual_tokens, visual_tokens_kept, prune, latency_ms, ...}
+  nlohmann::json to_json() const;  // {accuracy, ci95, n, correct, by_type, visual_tokens, visual_tokens_per_sample, visual_tokens_kept, prune, latency_ms, ...}
   std::string format() const;      // human-readable table
 };
 

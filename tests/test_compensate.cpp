@@ -184,6 +184,22 @@ TEST_CASE("train: the loss falls on a fixture bundle; the NaN guard skips and ab
   CHECK(result.after.total < result.before.total);
   CHECK(result.adapter->gate.item<double>() != 0.0);
 
+  CHECK(result.accepted);
+
+  SUBCASE("an adapter that made the loss worse is reset to the identity") {
+    compensate::TrainOptions o = options;
+    o.steps = 5;
+    o.lr = 50.0;  // Adam moves every parameter by ~lr per step: the loss blows up
+    o.clip_grad_norm = 0.0;
+    const auto r = compensate::train_adapter(teacher, student.model, batches, o);
+    CHECK_FALSE(r.accepted);
+    CHECK(r.adapter->gate.item<double>() == 0.0);
+    CHECK(r.after.total == doctest::Approx(r.before.total));  // the identity again, same fixed probes
+    o.keep_only_if_better = false;
+    const auto kept = compensate::train_adapter(teacher, student.model, batches, o);
+    CHECK(kept.accepted);
+    CHECK(kept.adapter->gate.item<double>() != 0.0);
+  }
   SUBCASE("a batch with NaN pixels is skipped, the others train") {
     auto bad = fixture_batch(fixture);
     bad.pixel_values = bad.pixel_values.clone();
@@ -230,6 +246,9 @@ TEST_CASE("compensate: adapter file, folded projector, manifest that verify acce
   options.batch_size = 3;
   options.train.steps = 6;
   options.train.lr = 1e-2;
+  // This case checks the files, the fold and the manifest: keep whatever 6 steps give
+  // (the accept-if-better rule has its own test above).
+  options.train.keep_only_if_better = false;
 
   SUBCASE("evaluation data is refused") {
     options.data = "builtin:eval";

@@ -16,6 +16,8 @@ void register_compensate(CLI::App& root, const GlobalOptions& globals) {
   auto placement = std::make_shared<std::string>("output");
   auto no_entropy = std::make_shared<bool>(false);
   auto no_projector_feature = std::make_shared<bool>(false);
+  auto feature_tokens = std::make_shared<std::string>("text");
+  auto keep_worse = std::make_shared<bool>(false);
   auto* cmd = root.add_subcommand(
       "compensate", "Train a low-rank compensatory adapter against the original model and fold it into the bundle");
   auto& t = opts->train;
@@ -42,6 +44,11 @@ void register_compensate(CLI::App& root, const GlobalOptions& globals) {
                   "Decoder hidden states compared (transformers' indices; -1 = last, after the final norm)")
       ->capture_default_str();
   cmd->add_flag("--no-projector-feature", *no_projector_feature, "Leave the projector output out of the loss");
+  cmd->add_option("--feature-tokens", *feature_tokens,
+                  "Hidden-state positions compared: text (the text tokens after the image) or all real tokens")
+      ->check(CLI::IsMember({"text", "all"}))
+      ->capture_default_str();
+  cmd->add_flag("--keep-worse", *keep_worse, "Keep the trained adapter even if it did not lower the loss");
   cmd->add_option("--probes", t.loss.probes, "Random directions per step for the gradient-flow term")
       ->capture_default_str();
   cmd->add_option("--max-nan-steps", t.max_nan_steps, "Abort when this many steps had a non-finite loss")
@@ -51,6 +58,8 @@ void register_compensate(CLI::App& root, const GlobalOptions& globals) {
     opts->train.placement = compensate::parse_placement(*placement);
     if (*no_entropy) opts->train.loss.tau = std::numeric_limits<double>::infinity();
     if (*no_projector_feature) opts->train.loss.projector_feature = false;
+    opts->train.loss.text_tokens_only = *feature_tokens == "text";
+    opts->train.keep_only_if_better = !*keep_worse;
     auto report = compensate::compensate(*opts);
     if (globals.json) {
       report.erase("curve");  // in the report file; keeps stdout one short line
