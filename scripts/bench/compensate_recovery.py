@@ -13,6 +13,7 @@ Schemes:
   w4a16             --scheme w4a16 (decoder only; vision tower, projector, lm_head float)
   w8a8-vision       --scheme w8a8 with the vision tower quantized too: --ignore lm_head and
                     the projector (the adapter folds into a projector Linear, which must stay float)
+  w4a16-vision      --scheme w4a16 (group 128) on the decoder and the vision tower
   w8a8-no-outliers  --scheme w8a8 --outlier-threshold 0 (no FP16 outlier channels)
   w8a8-p90-vision   w8a8, percentile-90 activation observer, no outliers, vision tower quantized
 Loss variants (ablation):
@@ -20,10 +21,11 @@ Loss variants (ablation):
   no-entropy  --no-entropy-weighting (uniform sample weights)
   gamma0      --gamma 0 (no gradient-flow term)
   plain-l2    both off: plain (relative) L2 on the features
+  input       full loss, adapter on the projector input (folds into linear_1): the placement choice
 
 Usage:
   scripts/bench/compensate_recovery.py --vlmopt build/apps/vlmopt/vlmopt [--model builtin]
-      [--limit 500] [--calib-samples 128] [--steps 100] [--schemes w4a16,...]
+      [--limit 500] [--calib-samples 128] [--steps 100] [--schemes w4a16,...] [--min-gap 0.01]
       [--variants full,no-entropy,gamma0,plain-l2] [--extra-args "..."] [--work DIR] [--out results.json]
 """
 import argparse
@@ -41,6 +43,7 @@ VISION_ON = ["--ignore", "lm_head", "--ignore", r"re:model\.multi_modal_projecto
 SCHEMES = {
     "w4a16": ["--scheme", "w4a16"],
     "w8a8-vision": ["--scheme", "w8a8", *VISION_ON],
+    "w4a16-vision": ["--scheme", "w4a16", *VISION_ON],
     "w8a8-no-outliers": ["--scheme", "w8a8", "--outlier-threshold", "0"],
     # Aggressive on purpose: clipping percentile observer, no outlier channels, vision tower quantized.
     "w8a8-p90-vision": ["--scheme", "w8a8", "--observer", "percentile", "--percentile", "90",
@@ -51,6 +54,7 @@ VARIANTS = {
     "no-entropy": ["--no-entropy-weighting"],
     "gamma0": ["--gamma", "0"],
     "plain-l2": ["--no-entropy-weighting", "--gamma", "0"],
+    "input": ["--placement", "input"],
 }
 
 
@@ -94,7 +98,9 @@ def main():
     p.add_argument("--calib-samples", type=int, default=128)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--schemes", default="w4a16,w8a8-vision,w8a8-no-outliers")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="full,no-entropy,gamma0,plain-l2")
+    p.add_argument("--min-gap", type=float, default=0.0,
+                   help="skip the compensation runs of a scheme whose FP32 - quantized gap is below this")
     p.add_argument("--extra-args", default="", help="more compensate options for every variant")
     p.add_argument("--work", default=None)
     p.add_argument("--out", default="compensate_recovery.json")
@@ -120,7 +126,10 @@ def main():
         entry = {"calibrate_args": SCHEMES[scheme], "calibrate_wall_s": cal["_wall_s"], "quantized": q,
                  "gap": fp32["accuracy"] - q["accuracy"], "variants": {}}
         print(f"{scheme}: quantized {q['accuracy']:.4f} (gap {entry['gap']:+.4f})", flush=True)
-        for variant in args.variants.split(","):
+        if entry["gap"] < args.min_gap or entry["gap"] <= 0:
+            entry["skipped"] = f"gap {entry['gap']:+.4f} below --min-gap {args.min_gap}: nothing to recover"
+            print(f"  {entry['skipped']}", flush=True)
+        for variant in ([] if "skipped" in entry else args.variants.split(",")):
             bundle = os.path.join(work, f"bundle-{scheme}-{variant}")
             shutil.rmtree(bundle, ignore_errors=True)
             shutil.copytree(base, bundle)
