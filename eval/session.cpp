@@ -92,6 +92,10 @@ void VlmSession::apply_prune_options() {
                                        p.scenario.empty() ? config.default_scenario : p.scenario);
     }
   }
+  if (plan && !p.batch_keep.empty()) {
+    plan->batch_keep = model::parse_batch_keep(p.batch_keep, "--prune-batch-keep");
+    prune_description_ += fmt::format(", batch_keep {}", p.batch_keep);
+  }
   model_.set_prune_plan(plan);
   if (plan) spdlog::info("pruning: {}", prune_description_);
 }

@@ -32,6 +32,7 @@ struct PruneOptions {
   double threshold = 1.0;         // ad-hoc vlmopt: score threshold
   double floor = 0.3;             // ad-hoc vlmopt: at least this fraction kept
   uint64_t seed = 0;              // ad-hoc random
+  std::string batch_keep;         // "per_sample" | "batch_mean": overrides the plan's ("" = keep it)
 };
 
 struct SessionOptions {

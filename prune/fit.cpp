@@ -235,7 +235,7 @@ model::PrunePlan plan_of(const Candidate& c, const model::KeepPolicy& policy, do
   plan.rule = model::PruneRule::kDual;
   plan.min_keep = c.floor;
   plan.max_keep = std::max(c.floor, cap);
-  (void)policy;
+  plan.batch_keep = policy.batch_keep;  // latency search measures the plan as it will run
   plan.steps.push_back({c.layer, c.threshold, 1.0});
   return plan;
 }

@@ -220,6 +220,32 @@ TEST_CASE("pruned prefill keeps the chosen tokens at their original positions (r
       MESSAGE("pruned vs gathered reference, sample ", b, ": max |d logits| ", diff);
     }
     CHECK(report.visual_tokens[2][0] != report.visual_tokens[2][1]);  // ragged
+
+    SUBCASE("batch_mean: every sample keeps the batch's mean fraction, so nothing is padded after the cut") {
+      const int64_t per_sample_total = report.visual_tokens[2][0] + report.visual_tokens[2][1];
+      plan.batch_keep = model::BatchKeep::kBatchMean;
+      m.set_prune_plan(plan);
+      const auto even = m.forward(in);
+      const auto& r = m.last_prune_report();
+      CHECK(r.visual_tokens[2][0] == r.visual_tokens[2][1]);
+      // Rounded mean of the per-sample counts (both samples have kImageTokens candidates).
+      CHECK(std::abs(2 * r.visual_tokens[2][0] - per_sample_total) <= 1);
+      // No padding slot after the cut: the prompts differ in length by their text only.
+      const int64_t text_longest = std::max(prompts[0].size(1), prompts[1].size(1)) - kImageTokens;
+      CHECK(even.kept_index.size(1) == text_longest + r.visual_tokens[2][0]);
+      for (int64_t b = 0; b < 2; ++b) {
+        // The kept visual tokens are the sample's own highest scorers: a prefix of its
+        // per-sample choice when it kept more, a superset when it kept fewer.
+        std::set<int64_t> mean_set, own_set;
+        for (const int64_t t : kept_of(even.kept_index, b))
+          if (ids[b][t].item<int64_t>() == kImageId) mean_set.insert(t);
+        for (const int64_t t : kept_of(out.kept_index, b))
+          if (ids[b][t].item<int64_t>() == kImageId) own_set.insert(t);
+        const auto& small = mean_set.size() < own_set.size() ? mean_set : own_set;
+        const auto& large = mean_set.size() < own_set.size() ? own_set : mean_set;
+        CHECK(std::includes(large.begin(), large.end(), small.begin(), small.end()));
+      }
+    }
   }
   m.set_prune_plan(std::nullopt);
 }
@@ -315,7 +341,7 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   testing::TempDir dir("vlmopt_prune_json");
   model::PruneConfig config;
   config.rule = model::PruneRule::kDual;
-  config.policy = {0.25, 0.5, 0.1};
+  config.policy = {0.25, 0.5, 0.1, model::BatchKeep::kBatchMean};
   config.hardware = {0.5, 0.25};
   config.scenarios["general"].steps = {{0, 0.75, 1.0}, {2, 1.25, 1.0}};
   config.scenarios["document"].steps = {{1, 0.5, 1.0}};
@@ -333,6 +359,7 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   CHECK(plan.steps[1].after_layer == 2);
   CHECK(plan.min_keep == 0.25);
   CHECK(plan.max_keep == doctest::Approx(0.725));
+  CHECK(plan.batch_keep == model::BatchKeep::kBatchMean);
   const model::HardwareState idle;
   CHECK(back.plan("", &idle).max_keep == 1.0);  // no pressure: no cap
   CHECK(back.plan("document").steps.at(0).threshold == 0.5);
@@ -356,6 +383,8 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   cases.push_back({"rule", with([](auto& j) { j["rule"] = 3; })});
   cases.push_back({"floor", with([](auto& j) { j["policy"]["floor"] = 1.5; })});
   cases.push_back({"a", with([](auto& j) { j["policy"]["a"] = "x"; })});
+  cases.push_back({"batch_keep", with([](auto& j) { j["policy"]["batch_keep"] = "sometimes"; })});
+  cases.push_back({"batch_keep", with([](auto& j) { j["policy"]["batch_keep"] = 1; })});
   cases.push_back({"mem_pressure", with([](auto& j) { j["hardware"]["mem_pressure"] = -0.1; })});
   cases.push_back({"scenarios", with([](auto& j) { j["scenarios"] = nlohmann::json::object(); })});
   cases.push_back({"steps", with([](auto& j) { j["scenarios"]["general"]["steps"] = 1; })});

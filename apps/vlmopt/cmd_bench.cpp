@@ -53,6 +53,8 @@ void register_bench(CLI::App& root, const GlobalOptions& globals) {
   prefill->add_option("--prune-keep", s.prune.keep, "Ad-hoc fastv/random keep fraction")->capture_default_str();
   prefill->add_option("--prune-threshold", s.prune.threshold, "Ad-hoc vlmopt threshold")->capture_default_str();
   prefill->add_option("--prune-seed", s.prune.seed, "Ad-hoc random seed")->capture_default_str();
+  prefill->add_option("--prune-batch-keep", s.prune.batch_keep, "per_sample | batch_mean (default: the plan's)")
+      ->check(CLI::IsMember({"per_sample", "batch_mean"}));
   prefill->callback([prefill_opts, &globals] {
     prefill_opts->session.device = globals.device;
     const auto result = prune::bench_prefill(*prefill_opts);

@@ -44,6 +44,8 @@ void register_eval(CLI::App& root, const GlobalOptions& globals) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   cmd->add_option("--prune-seed", prune.seed, "Ad-hoc random: seed")->capture_default_str();
+  cmd->add_option("--prune-batch-keep", prune.batch_keep, "per_sample | batch_mean (default: the plan's)")
+      ->check(CLI::IsMember({"per_sample", "batch_mean"}));
   cmd->callback([opts, &globals] {
     opts->session.device = globals.device;
     const auto result = eval::evaluate(*opts);

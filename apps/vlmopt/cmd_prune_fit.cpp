@@ -14,6 +14,7 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
   auto target = std::make_shared<double>(0.5);
   auto drop = std::make_shared<double>(0.01);
   auto budget = std::make_shared<double>(0.0);
+  auto batch_keep = std::make_shared<std::string>("per_sample");
   auto* cmd = root.add_subcommand("prune-fit", "Fit per-layer visual-token pruning thresholds (writes prune.json)");
   cmd->add_option("--model", opts->session.model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
   cmd->add_option("--bundle", opts->bundle, "Fit on this bundle and write vlmopt/prune.json into it");
@@ -34,6 +35,9 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
       ->capture_default_str();
   cmd->add_option("--layers", opts->candidate_layers, "Candidate layers to prune after (default: all but the last)");
   cmd->add_option("--floor", opts->policy.floor, "Keep-ratio floor")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  cmd->add_option("--batch-keep", *batch_keep, "per_sample | batch_mean: how batched samples share keep counts")
+      ->check(CLI::IsMember({"per_sample", "batch_mean"}))
+      ->capture_default_str();
   cmd->add_option("--policy-a", opts->policy.a, "Keep cap coefficient of mem_pressure")->capture_default_str();
   cmd->add_option("--policy-b", opts->policy.b, "Keep cap coefficient of l2_miss_rate")->capture_default_str();
   cmd->add_option("--mem-pressure", opts->hardware.mem_pressure, "Target memory pressure in [0,1]")
@@ -45,6 +49,7 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
   cmd->add_option("--dtype", opts->session.dtype, "float32 | bfloat16 | float16")->capture_default_str();
   cmd->callback([=, &globals] {
     opts->session.device = globals.device;
+    opts->policy.batch_keep = model::parse_batch_keep(*batch_keep, "--batch-keep");
     if (*t) opts->target_keep = *target;
     if (*d) opts->max_accuracy_drop = *drop;
     if (*l) opts->latency_budget_ms = *budget;

@@ -83,6 +83,7 @@ PrunePlan PruneConfig::plan(const std::string& scenario, const HardwareState* hw
   out.steps = it->second.steps;
   out.min_keep = policy.floor;
   out.max_keep = policy.cap(state.mem_pressure, state.l2_miss_rate);
+  out.batch_keep = policy.batch_keep;
   out.seed = seed;
   return out;
 }
@@ -97,7 +98,11 @@ nlohmann::json PruneConfig::to_json() const {
   return {{"format", kPruneFormat},
           {"version", kPruneVersion},
           {"rule", std::string(prune_rule_name(rule))},
-          {"policy", {{"floor", policy.floor}, {"a", policy.a}, {"b", policy.b}}},
+          {"policy",
+           {{"floor", policy.floor},
+            {"a", policy.a},
+            {"b", policy.b},
+            {"batch_keep", std::string(batch_keep_name(policy.batch_keep))}}},
           {"hardware", {{"mem_pressure", hardware.mem_pressure}, {"l2_miss_rate", hardware.l2_miss_rate}}},
           {"default_scenario", default_scenario},
           {"scenarios", scen},
@@ -122,10 +127,14 @@ PruneConfig prune_config_from_json(const nlohmann::json& j, const std::string& w
   if (const auto it = j.find("policy"); it != j.end()) {
     const std::string w = where + ": policy";
     VLMOPT_CHECK_INPUT(it->is_object(), "{}: expected an object, got {}", w, type_name(*it));
-    reject_unknown(*it, w, {"floor", "a", "b"});
+    reject_unknown(*it, w, {"floor", "a", "b", "batch_keep"});
     c.policy.floor = optional_number(*it, w, "floor", c.policy.floor, 0.0, 1.0);
     c.policy.a = optional_number(*it, w, "a", c.policy.a, 0.0, 1e3);
     c.policy.b = optional_number(*it, w, "b", c.policy.b, 0.0, 1e3);
+    if (const auto mode = it->find("batch_keep"); mode != it->end()) {
+      VLMOPT_CHECK_INPUT(mode->is_string(), "{}: batch_keep: expected a string, got {}", w, type_name(*mode));
+      c.policy.batch_keep = parse_batch_keep(mode->get<std::string>(), w + ": batch_keep");
+    }
   }
   if (const auto it = j.find("hardware"); it != j.end()) {
     const std::string w = where + ": hardware";

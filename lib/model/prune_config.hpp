@@ -24,6 +24,7 @@ struct KeepPolicy {
   double floor = 0.3;
   double a = 0.6;
   double b = 0.2;
+  BatchKeep batch_keep = BatchKeep::kPerSample;  // how a batch's samples share keep counts
   double cap(double mem_pressure, double l2_miss_rate) const;
 };
 

@@ -26,6 +26,16 @@ PruneRule parse_prune_rule(std::string_view name, std::string_view where) {
   throw InputError(fmt::format("{}: expected one of vlmopt, fastv, random, got '{}'", where, name));
 }
 
+std::string_view batch_keep_name(BatchKeep mode) {
+  return mode == BatchKeep::kBatchMean ? "batch_mean" : "per_sample";
+}
+
+BatchKeep parse_batch_keep(std::string_view name, std::string_view where) {
+  if (name == "per_sample") return BatchKeep::kPerSample;
+  if (name == "batch_mean") return BatchKeep::kBatchMean;
+  throw InputError(fmt::format("{}: expected one of per_sample, batch_mean, got '{}'", where, name));
+}
+
 void PrunePlan::validate(int64_t num_layers, std::string_view where) const {
   VLMOPT_CHECK_INPUT(min_keep >= 0.0 && min_keep <= 1.0, "{}: min_keep: expected a fraction in [0,1], got {}", where,
                      min_keep);
@@ -80,7 +90,14 @@ torch::Tensor select_kept_tokens(const PrunePlan& plan, const PruneStep& step, i
       // Tiny slack so a ratio that is an exact multiple of 1/N is not lost to rounding.
       const auto low = (available * plan.min_keep - 1e-9).ceil();
       const auto high = (available * plan.max_keep + 1e-9).floor();
-      count = torch::maximum(low, torch::minimum(above, high)).to(torch::kInt64);
+      auto wanted = torch::maximum(low, torch::minimum(above, high));
+      if (plan.batch_keep == BatchKeep::kBatchMean && wanted.size(0) > 1) {
+        // One kept fraction for the whole batch (the mean of what the thresholds ask
+        // for), so every sample leaves the step with the same count and nothing is padded.
+        const auto fraction = (wanted / available.clamp_min(1.0)).mean();
+        wanted = torch::maximum(low, torch::minimum((available * fraction).round(), high));
+      }
+      count = wanted.to(torch::kInt64);
       ranked = dual;
       break;
     }

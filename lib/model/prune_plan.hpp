@@ -30,7 +30,20 @@ enum class PruneRule {
   kRandom,
 };
 
+// How kDual sets the keep counts of the samples of one batch.
+enum class BatchKeep {
+  // Each sample keeps what its own threshold gives: answers do not depend on the
+  // batch, but the batch is left-padded to its longest sample after the cut.
+  kPerSample,
+  // Every sample keeps the batch's mean kept fraction (its highest-scoring tokens):
+  // no padding, so a batch runs at its mean length. Answers may depend on the batch.
+  kBatchMean,
+};
+
 std::string_view prune_rule_name(PruneRule rule);
+std::string_view batch_keep_name(BatchKeep mode);
+// "per_sample" | "batch_mean"; InputError naming `where` otherwise.
+BatchKeep parse_batch_keep(std::string_view name, std::string_view where);
 // "vlmopt" (or "dual"), "fastv", "random"; InputError naming `where` otherwise.
 PruneRule parse_prune_rule(std::string_view name, std::string_view where);
 
@@ -47,7 +60,8 @@ struct PrunePlan {
   // min_keep is the floor, max_keep the hardware-aware cap max(floor, 1 - a*mem - b*l2).
   double min_keep = 0.3;
   double max_keep = 1.0;
-  uint64_t seed = 0;  // kRandom
+  BatchKeep batch_keep = BatchKeep::kPerSample;  // kDual
+  uint64_t seed = 0;                              // kRandom
   // InputError (naming `where`) for steps out of [0, num_layers - 1) or unsorted, ratios out of [0,1].
   void validate(int64_t num_layers, std::string_view where = "prune plan") const;
 };

@@ -4,7 +4,10 @@
 For each budget (fraction of the visual tokens kept after the cut, FastV's R):
 
   * vlmopt   `vlmopt prune-fit --target-keep B --out OUT/fit_B` on the calibration
-             split, then `vlmopt eval --prune-config OUT/fit_B/prune.json`
+             split, then `vlmopt eval --prune-config OUT/fit_B/prune.json`. Each
+             --vlmopt-variants entry is one curve: `auto` (prune-fit picks the layer),
+             `L<n>` (`--layers n`), and a `:batch_mean` suffix evaluates and times the
+             fit with `--prune-batch-keep batch_mean` (no padding in a batch).
   * fastv    `vlmopt eval --prune-rule fastv --prune-layer K-1 --prune-keep B` (K=2)
   * random   `vlmopt eval --prune-rule random --prune-layer K-1 --prune-keep B --prune-seed S`,
              mean over --seeds
@@ -48,6 +51,8 @@ def main():
     ap.add_argument("--budgets", default="1.0,0.75,0.5,0.25")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--fastv-k", type=int, default=2, help="FastV K: prune after layer K-1")
+    ap.add_argument("--vlmopt-variants", default="auto",
+                    help="comma list of auto | L<n>, each optionally with :batch_mean (e.g. auto,L0,L0:batch_mean)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--bench-samples", type=int, default=32)
     ap.add_argument("--eval-batch-size", type=int, default=16)
@@ -91,17 +96,33 @@ def main():
     points = []
     unpruned = evaluate([])
     unpruned_latency = latency([])
-    for method in ("vlmopt", "fastv", "random"):
+    variants = []  # (method name, prune-fit layer args, eval/bench batch-keep args)
+    for v in args.vlmopt_variants.split(","):
+        layers, _, keep = v.partition(":")
+        if layers != "auto" and not (layers.startswith("L") and layers[1:].isdigit()):
+            raise SystemExit(f"--vlmopt-variants: expected auto or L<n>, got '{layers}'")
+        if keep not in ("", "batch_mean"):
+            raise SystemExit(f"--vlmopt-variants: expected the suffix :batch_mean, got ':{keep}'")
+        name = "vlmopt" + ("" if layers == "auto" else "-" + layers) + ("-batch_mean" if keep else "")
+        variants.append((name, [] if layers == "auto" else ["--layers", layers[1:]],
+                         ["--prune-batch-keep", keep] if keep else []))
+    for method in [v[0] for v in variants] + ["fastv", "random"]:
         points.append({"method": method, "budget": 1.0, **unpruned, "prefill": unpruned_latency})
     for budget in budgets:
         if budget >= 1.0:
             continue
-        fit_dir = os.path.join(args.out, f"fit_{budget:g}")
-        fit = run_json(base + ["prune-fit"] + common + ["--data", args.calib, "--limit", str(args.calib_limit),
-                                                          "--target-keep", str(budget), "--out", fit_dir])
-        cfg = ["--prune-config", os.path.join(fit_dir, "prune.json")]
-        points.append({"method": "vlmopt", "budget": budget, **evaluate(cfg), "prefill": latency(cfg),
-                       "fit": fit["chosen"]})
+        fits = {}
+        for name, layer_args, keep_args in variants:
+            key = " ".join(layer_args)
+            if key not in fits:  # one fit per layer choice; batch_mean reuses it
+                fit_dir = os.path.join(args.out, f"fit_{budget:g}" + ("_" + "_".join(layer_args[1:]) if layer_args else ""))
+                fits[key] = (fit_dir, run_json(base + ["prune-fit"] + common +
+                                               ["--data", args.calib, "--limit", str(args.calib_limit),
+                                                "--target-keep", str(budget), "--out", fit_dir] + layer_args))
+            fit_dir, fit = fits[key]
+            cfg = ["--prune-config", os.path.join(fit_dir, "prune.json")] + keep_args
+            points.append({"method": name, "budget": budget, **evaluate(cfg), "prefill": latency(cfg),
+                           "fit": fit["chosen"]})
         fastv = ["--prune-rule", "fastv", "--prune-layer", layer, "--prune-keep", str(budget)]
         points.append({"method": "fastv", "budget": budget, **evaluate(fastv), "prefill": latency(fastv)})
         runs = [evaluate(["--prune-rule", "random", "--prune-layer", layer, "--prune-keep", str(budget),
@@ -122,11 +143,11 @@ def main():
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}", file=sys.stderr)
-    print(f"{'method':8} {'budget':>6} {'acc':>7} {'vis.kept':>8} " +
+    print(f"{'method':20} {'budget':>6} {'acc':>7} {'vis.kept':>8} " +
           " ".join(f"{'ms@b' + str(b):>9}" for b in batch_sizes))
     for p in points:
         lat = " ".join(f"{p['prefill'].get(str(b), {}).get('ms_per_batch', float('nan')):9.2f}" for b in batch_sizes)
-        print(f"{p['method']:8} {p['budget']:6.2f} {p['accuracy']:7.4f} {p['visual_tokens_kept']:8.1f} {lat}")
+        print(f"{p['method']:20} {p['budget']:6.2f} {p['accuracy']:7.4f} {p['visual_tokens_kept']:8.1f} {lat}")
 
     plot(result, args.out)
 
@@ -144,7 +165,10 @@ def plot(result, out_dir):
     sizes = sorted({int(b) for p in points for b in p.get("prefill", {})})
     panels = 2 if sizes else 1
     fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.5), squeeze=False)
-    for method, marker in (("vlmopt", "o"), ("fastv", "s"), ("random", "^")):
+    methods = list(dict.fromkeys(p["method"] for p in points))
+    markers = {"fastv": "s", "random": "^"}
+    for method in methods:
+        marker = markers.get(method, "o")
         pts = sorted((p for p in points if p["method"] == method), key=lambda p: p["visual_tokens_kept"])
         axes[0][0].plot([p["visual_tokens_kept"] / p["visual_tokens"] for p in pts], [p["accuracy"] for p in pts],
                         marker=marker, label=method)
