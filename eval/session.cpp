@@ -75,10 +75,12 @@ void VlmSession::apply_prune_options() {
     plan->rule = model::parse_prune_rule(p.rule, "--prune-rule");
     plan->min_keep = plan->rule == model::PruneRule::kDual ? p.floor : 0.0;
     plan->seed = p.seed;
-    plan->steps.push_back({p.layer, p.threshold, p.keep});
+    const auto cut = model::parse_prune_cut(p.cut, "--prune-cut");
+    plan->steps.push_back({p.layer, p.threshold, p.keep, cut});
+    const auto where = fmt::format("{} layer {}", cut == model::PruneCut::kInput ? "at the input of" : "after", p.layer);
     prune_description_ = plan->rule == model::PruneRule::kDual
-                             ? fmt::format("vlmopt after layer {} threshold {} floor {}", p.layer, p.threshold, p.floor)
-                             : fmt::format("{} after layer {} keep {}", p.rule, p.layer, p.keep);
+                             ? fmt::format("vlmopt {} threshold {} floor {}", where, p.threshold, p.floor)
+                             : fmt::format("{} {} keep {}", p.rule, where, p.keep);
   } else {
     std::filesystem::path file = p.config;
     if (file.empty() && p.apply_bundle_plan && !options_.bundle.empty()) {

@@ -28,6 +28,7 @@ struct PruneOptions {
   std::string scenario;           // scenario of the prune.json ("" = its default_scenario)
   std::string rule;               // "vlmopt" | "fastv" | "random": ad-hoc plan ("" = none)
   int64_t layer = 1;              // ad-hoc: prune after this decoder layer (FastV K=2 -> 1)
+  std::string cut = "output";     // ad-hoc: "output" (drop after `layer`) | "input" (before it)
   double keep = 0.5;              // ad-hoc fastv/random: kept fraction of the visual tokens
   double threshold = 1.0;         // ad-hoc vlmopt: score threshold
   double floor = 0.3;             // ad-hoc vlmopt: at least this fraction kept

@@ -25,7 +25,7 @@ using Clock = std::chrono::steady_clock;
 struct LayerStats {
   int64_t layer = 0;
   std::vector<torch::Tensor> score;        // dual score p_j * exp(H) at the layer's attention
-  std::vector<torch::Tensor> sensitivity;  // ||dNLL/dh||_1 / ||h||_1 after the layer
+  std::vector<torch::Tensor> sensitivity;  // ||dNLL/dh||_1 / ||h||_1 where the cut drops tokens
 };
 
 int64_t sample_count(const datasets::DatasetSource& source, int64_t limit) {
@@ -34,7 +34,8 @@ int64_t sample_count(const datasets::DatasetSource& source, int64_t limit) {
 }
 
 std::vector<LayerStats> collect_statistics(eval::VlmSession& session, const datasets::DatasetSource& source,
-                                           int64_t samples, const std::vector<int64_t>& layers) {
+                                           int64_t samples, const std::vector<int64_t>& layers,
+                                           model::PruneCut cut) {
   auto& m = session.model();
   auto& lm = m.language_model();
   const auto device = m.device();
@@ -83,9 +84,10 @@ std::vector<LayerStats> collect_statistics(eval::VlmSession& session, const data
                                                    inputs, rows);
       const auto dual = model::dual_scores(received, visual).first;
       st.score.push_back(dual.masked_select(visual).to(torch::kCPU));
-      const auto& after = layer_inputs[static_cast<size_t>(st.layer) + 1];
-      VLMOPT_CHECK(after.grad().defined(), "no gradient at the input of layer {}", st.layer + 1);
-      const auto sens = after.grad().abs().sum(-1) / after.detach().abs().sum(-1).clamp_min(1e-12);  // [1,T]
+      const int64_t dropped_at = cut == model::PruneCut::kInput ? st.layer : st.layer + 1;
+      const auto& at = layer_inputs[static_cast<size_t>(dropped_at)];
+      VLMOPT_CHECK(at.grad().defined(), "no gradient at the input of layer {}", dropped_at);
+      const auto sens = at.grad().abs().sum(-1) / at.detach().abs().sum(-1).clamp_min(1e-12);  // [1,T]
       st.sensitivity.push_back(sens.masked_select(visual).to(torch::kCPU, torch::kFloat32));
     }
     if ((i + 1) % 16 == 0) spdlog::info("prune-fit: statistics {}/{}", i + 1, samples);
@@ -230,13 +232,13 @@ std::vector<eval::PreparedBatch> prepare_batches(eval::VlmSession& session, cons
   return out;
 }
 
-model::PrunePlan plan_of(const Candidate& c, const model::KeepPolicy& policy, double cap) {
+model::PrunePlan plan_of(const Candidate& c, const model::KeepPolicy& policy, double cap, model::PruneCut cut) {
   model::PrunePlan plan;
   plan.rule = model::PruneRule::kDual;
   plan.min_keep = c.floor;
   plan.max_keep = std::max(c.floor, cap);
   plan.batch_keep = policy.batch_keep;  // latency search measures the plan as it will run
-  plan.steps.push_back({c.layer, c.threshold, 1.0});
+  plan.steps.push_back({c.layer, c.threshold, 1.0, cut});
   return plan;
 }
 
@@ -262,23 +264,28 @@ nlohmann::json fit(const PruneFitOptions& options) {
   auto& m = session.model();
   const int64_t layers = m.language_model()->num_layers();
   VLMOPT_CHECK_INPUT(layers >= 2, "prune-fit: the decoder needs at least 2 layers, got {}", layers);
+  // An output cut after the last layer would prune nothing that runs; an input cut may sit at any layer.
+  const bool input_cut = options.cut == model::PruneCut::kInput;
+  const int64_t layer_end = input_cut ? layers : layers - 1;
   std::vector<int64_t> candidates = options.candidate_layers;
   if (candidates.empty())
-    for (int64_t l = 0; l + 1 < layers; ++l) candidates.push_back(l);
+    for (int64_t l = 0; l < layer_end; ++l) candidates.push_back(l);
   std::sort(candidates.begin(), candidates.end());
   for (const int64_t l : candidates)
-    VLMOPT_CHECK_INPUT(l >= 0 && l + 1 < layers, "--layers: expected layers in [0, {}), got {}", layers - 1, l);
+    VLMOPT_CHECK_INPUT(l >= 0 && l < layer_end, "--layers: expected layers in [0, {}) for the {} cut, got {}",
+                       layer_end, model::prune_cut_name(options.cut), l);
 
   const auto source = datasets::open_dataset(options.data);
   const int64_t samples = sample_count(*source, options.limit);
   VLMOPT_CHECK_INPUT(samples > 0, "{}: dataset is empty", options.data);
   spdlog::info("prune-fit: statistics on {} samples of {}", samples, options.data);
-  const auto stats = collect_statistics(session, *source, samples, candidates);
+  const auto stats = collect_statistics(session, *source, samples, candidates, options.cut);
   const double cap = options.policy.cap(options.hardware.mem_pressure, options.hardware.l2_miss_rate);
   const int64_t visual = m.config().image_tokens_per_image();
 
   json report = {{"data", options.data}, {"samples", samples}, {"scenario", options.scenario},
-                 {"visual_tokens", visual}, {"decoder_layers", layers}, {"cap", cap}};
+                 {"visual_tokens", visual}, {"decoder_layers", layers}, {"cap", cap},
+                 {"cut", std::string(model::prune_cut_name(options.cut))}};
   Candidate chosen;
   json search = json::array();
   if (options.target_keep) {
@@ -298,7 +305,7 @@ nlohmann::json fit(const PruneFitOptions& options) {
       chosen = choose(stats, 1.0, options.policy, cap, nullptr);
       for (const double keep : grid) {
         const auto c = choose(stats, keep, options.policy, cap, nullptr);
-        m.set_prune_plan(plan_of(c, options.policy, cap));
+        m.set_prune_plan(plan_of(c, options.policy, cap, options.cut));
         const double acc = calib_accuracy(session, *source, samples, options.batch_size);
         search.push_back({{"keep", keep}, {"after_layer", c.layer}, {"threshold", c.threshold}, {"accuracy", acc},
                           {"accuracy_drop", base - acc}});
@@ -317,7 +324,7 @@ nlohmann::json fit(const PruneFitOptions& options) {
       bool met = false;
       for (const double keep : grid) {
         chosen = choose(stats, keep, options.policy, cap, nullptr);
-        m.set_prune_plan(plan_of(chosen, options.policy, cap));
+        m.set_prune_plan(plan_of(chosen, options.policy, cap, options.cut));
         const double ms = time_prefill(session, batches, 3).first;
         search.push_back({{"keep", keep}, {"after_layer", chosen.layer}, {"prefill_ms", ms}});
         if (ms <= *options.latency_budget_ms) {
@@ -335,16 +342,18 @@ nlohmann::json fit(const PruneFitOptions& options) {
   }
   m.set_prune_plan(std::nullopt);
 
-  // Equivalent-token accounting: layers 0..l see every visual token, the rest the kept ones.
-  const double equivalent = (static_cast<double>(chosen.layer + 1) +
-                             static_cast<double>(layers - chosen.layer - 1) * chosen.calib_keep) /
+  // Equivalent-token accounting: layers before the cut see every visual token, the rest the kept ones.
+  const int64_t first_pruned = input_cut ? chosen.layer : chosen.layer + 1;
+  const double equivalent = (static_cast<double>(first_pruned) +
+                             static_cast<double>(layers - first_pruned) * chosen.calib_keep) /
                             static_cast<double>(layers);
-  report["chosen"] = {{"after_layer", chosen.layer}, {"threshold", chosen.threshold}, {"keep_ratio", chosen.calib_keep},
+  report["chosen"] = {{"after_layer", chosen.layer}, {"cut", std::string(model::prune_cut_name(options.cut))},
+                      {"threshold", chosen.threshold}, {"keep_ratio", chosen.calib_keep},
                       {"sensitivity_recall", chosen.recall}, {"floor", chosen.floor},
                       {"equivalent_keep", equivalent}};
   // Per decoder layer kept fraction of the visual tokens (calib mean).
   json per_layer_keep = json::array();
-  for (int64_t l = 0; l < layers; ++l) per_layer_keep.push_back(l <= chosen.layer ? 1.0 : chosen.calib_keep);
+  for (int64_t l = 0; l < layers; ++l) per_layer_keep.push_back(l < first_pruned ? 1.0 : chosen.calib_keep);
   report["keep_per_layer"] = per_layer_keep;
 
   model::PruneConfig config;
@@ -360,7 +369,7 @@ nlohmann::json fit(const PruneFitOptions& options) {
   config.policy.floor = std::min(config.policy.floor, chosen.floor);
   config.hardware = options.hardware;
   model::Scenario scenario;
-  scenario.steps.push_back(model::PruneStep{chosen.layer, chosen.threshold, 1.0});
+  scenario.steps.push_back(model::PruneStep{chosen.layer, chosen.threshold, 1.0, options.cut});
   config.scenarios[options.scenario] = scenario;
   if (config.scenarios.count(config.default_scenario) == 0) config.default_scenario = options.scenario;
   config.fit[options.scenario] = {{"data", options.data}, {"samples", samples}, {"mode", report["mode"]},

@@ -5,8 +5,9 @@
 // Statistics (one teacher-forced pass per calibration sample, batch 1):
 //   - run-time score of every visual token at every candidate layer l: the dual
 //     score p_j * exp(H(p)) of the attention the question rows give it (model::dual_scores);
-//   - task sensitivity of dropping it after layer l: ||dNLL/dh||_1 / ||h||_1 at the
-//     input of layer l+1, NLL = the answer tokens' (and </s>) negative log-likelihood.
+//   - task sensitivity of dropping it at the cut: ||dNLL/dh||_1 / ||h||_1 at the input
+//     of layer l+1 (output cut) or of layer l (input cut), NLL = the answer tokens'
+//     (and </s>) negative log-likelihood.
 // Fit: for each candidate layer the threshold that keeps the target fraction on
 // average (floor/cap applied per sample), and the share of the task sensitivity that
 // survives ("sensitivity recall"); the earliest layer within 0.02 of the best recall
@@ -38,7 +39,9 @@ struct PruneFitOptions {
   std::optional<double> max_accuracy_drop;  // absolute (0.01 = 1 point)
   std::optional<double> latency_budget_ms;  // prefill ms per batch of batch_size
   std::string scenario = "general";
-  std::vector<int64_t> candidate_layers;  // empty: 0 .. layers-2
+  // output: drop after the scoring layer; input: the scoring layer already sees only the kept tokens.
+  model::PruneCut cut = model::PruneCut::kOutput;
+  std::vector<int64_t> candidate_layers;  // empty: 0 .. layers-2 (output cut), 0 .. layers-1 (input cut)
   model::KeepPolicy policy;
   model::HardwareState hardware;
 };

@@ -26,11 +26,12 @@ torch::Tensor bools(std::initializer_list<int64_t> values) {
   return torch::tensor(std::vector<int64_t>(values), torch::kInt64).to(torch::kBool).unsqueeze(0);
 }
 
-model::PrunePlan single_step(model::PruneRule rule, int64_t after_layer, double keep_ratio, double threshold = 1.0) {
+model::PrunePlan single_step(model::PruneRule rule, int64_t after_layer, double keep_ratio, double threshold = 1.0,
+                             model::PruneCut cut = model::PruneCut::kOutput) {
   model::PrunePlan plan;
   plan.rule = rule;
   plan.min_keep = 0.0;
-  plan.steps.push_back({after_layer, threshold, keep_ratio});
+  plan.steps.push_back({after_layer, threshold, keep_ratio, cut});
   return plan;
 }
 
@@ -45,6 +46,7 @@ std::vector<int64_t> kept_of(const torch::Tensor& kept_index, int64_t b) {
 
 // Reference for one unpadded sample: layers 0..cut on every token, then only the tokens
 // `kept` (indices into ids), run with their original positions as explicit position ids.
+// cut = -1: every layer runs on the kept tokens only (an input cut at layer 0).
 torch::Tensor reference_logits(model::LlavaModel& m, const torch::Tensor& ids, const torch::Tensor& pixels,
                                const std::vector<int64_t>& kept, int64_t cut) {
   torch::NoGradGuard no_grad;
@@ -246,6 +248,37 @@ TEST_CASE("pruned prefill keeps the chosen tokens at their original positions (r
         CHECK(std::includes(large.begin(), large.end(), small.begin(), small.end()));
       }
     }
+
+    SUBCASE("input cut: the scoring layer itself runs on the kept tokens, chosen exactly as by the output cut") {
+      for (const int64_t layer : {int64_t{0}, kCut}) {
+        CAPTURE(layer);
+        auto at_input = single_step(model::PruneRule::kDual, layer, 1.0, 1.0, model::PruneCut::kInput);
+        at_input.min_keep = 0.1;
+        m.set_prune_plan(at_input);
+        const auto cut_in = m.forward(in);
+        const auto r = m.last_prune_report();
+        if (layer == kCut) CHECK(torch::equal(cut_in.kept_index, out.kept_index));  // same scores, same choice
+        for (int64_t b = 0; b < 2; ++b) {
+          const auto kept = kept_of(cut_in.kept_index, b);
+          const int64_t pad = ids.size(1) - prompts[static_cast<size_t>(b)].size(1);
+          int64_t kept_visual = 0;
+          for (const int64_t t : kept) kept_visual += ids[b][t].item<int64_t>() == kImageId;
+          CHECK(kept_visual < kImageTokens);
+          for (int64_t l = 0; l < 4; ++l)
+            CHECK(r.visual_tokens[static_cast<size_t>(l)][static_cast<size_t>(b)] ==
+                  (l < layer ? kImageTokens : kept_visual));
+          std::vector<int64_t> own;
+          for (const int64_t t : kept)
+            if (t >= pad) own.push_back(t - pad);
+          const auto ref =
+              reference_logits(m, prompts[static_cast<size_t>(b)], pixels.slice(0, b, b + 1), own, layer - 1);
+          const auto got = cut_in.logits[b].slice(0, cut_in.logits.size(1) - static_cast<int64_t>(own.size())).unsqueeze(0);
+          const double diff = max_abs_diff(got, ref);
+          CHECK(diff <= 1e-5);
+          MESSAGE("input cut at layer ", layer, " vs gathered reference, sample ", b, ": max |d logits| ", diff);
+        }
+      }
+    }
   }
   m.set_prune_plan(std::nullopt);
 }
@@ -312,6 +345,25 @@ TEST_CASE("pruned batch answers like each sample alone, and decoding after the p
   const double diff = max_abs_diff(got, ref.slice(1, ref.size(1) - 1));
   CHECK(diff <= 1e-5);
   MESSAGE("decode step after pruned prefill vs reference: max |d logits| ", diff);
+
+  // An input cut at layer 0: every layer caches only the kept tokens, and decoding stays exact.
+  m.set_prune_plan(single_step(model::PruneRule::kFastV, 0, 0.25, 1.0, model::PruneCut::kInput));
+  model::KVCache short_cache(m.language_model()->num_layers());
+  prefill.cache = &short_cache;
+  const auto first_in = m.forward(prefill);
+  const auto kept_in = kept_of(first_in.kept_index, 0);
+  CHECK(static_cast<int64_t>(kept_in.size()) == prompt.size(1) - kImageTokens + kImageTokens / 4);
+  for (int64_t l = 0; l < 4; ++l) CHECK(short_cache.length(l) == static_cast<int64_t>(kept_in.size()));
+  const auto next_in = first_in.logits.select(1, first_in.logits.size(1) - 1).argmax(-1, true);
+  step.input_ids = next_in;
+  step.cache = &short_cache;
+  const auto got_in = m.forward(step).logits;
+  auto kept_in_then_new = kept_in;
+  kept_in_then_new.push_back(prompt.size(1));
+  const auto ref_in = reference_logits(m, torch::cat({prompt, next_in}, 1), image, kept_in_then_new, -1);
+  const double diff_in = max_abs_diff(got_in, ref_in.slice(1, ref_in.size(1) - 1));
+  CHECK(diff_in <= 1e-5);
+  MESSAGE("decode step after an input cut at layer 0 vs reference: max |d logits| ", diff_in);
   m.set_prune_plan(std::nullopt);
 }
 
@@ -335,6 +387,17 @@ TEST_CASE("pruning works with the fused attention backend and rejects bad plans"
   unsorted.steps.push_back({1, 1.0, 1.0});
   CHECK_THROWS_AS(m.set_prune_plan(unsorted), InputError);
   CHECK_THROWS_AS(model::parse_prune_rule("topk", "--prune-rule"), InputError);
+  // An input cut may sit at the last layer; cuts must move strictly later (first pruned layer).
+  CHECK_NOTHROW(m.set_prune_plan(single_step(model::PruneRule::kFastV, 3, 0.5, 1.0, model::PruneCut::kInput)));
+  CHECK_THROWS_AS(m.set_prune_plan(single_step(model::PruneRule::kFastV, 4, 0.5, 1.0, model::PruneCut::kInput)),
+                  InputError);
+  auto same_cut = single_step(model::PruneRule::kDual, 1, 1.0);
+  same_cut.steps.push_back({2, 1.0, 1.0, model::PruneCut::kInput});  // both first prune layer 2
+  CHECK_THROWS_AS(m.set_prune_plan(same_cut), InputError);
+  same_cut.steps[0].after_layer = 0;
+  CHECK_NOTHROW(m.set_prune_plan(same_cut));
+  CHECK_THROWS_AS(model::parse_prune_cut("middle", "--prune-cut"), InputError);
+  m.set_prune_plan(std::nullopt);
 }
 
 TEST_CASE("prune.json round-trips and every malformed field is an InputError naming the file and field") {
@@ -344,7 +407,7 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   config.policy = {0.25, 0.5, 0.1, model::BatchKeep::kBatchMean};
   config.hardware = {0.5, 0.25};
   config.scenarios["general"].steps = {{0, 0.75, 1.0}, {2, 1.25, 1.0}};
-  config.scenarios["document"].steps = {{1, 0.5, 1.0}};
+  config.scenarios["document"].steps = {{1, 0.5, 1.0, model::PruneCut::kInput}};
   config.fit = {{"note", "test"}};
   const auto path = dir / "prune.json";
   model::write_prune_config(path, config);
@@ -363,6 +426,8 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   const model::HardwareState idle;
   CHECK(back.plan("", &idle).max_keep == 1.0);  // no pressure: no cap
   CHECK(back.plan("document").steps.at(0).threshold == 0.5);
+  CHECK(back.plan("document").steps.at(0).cut == model::PruneCut::kInput);
+  CHECK(back.plan("general").steps.at(0).cut == model::PruneCut::kOutput);
   CHECK_THROWS_AS(back.plan("video_qa"), InputError);
 
   const auto good = config.to_json();
@@ -390,6 +455,13 @@ TEST_CASE("prune.json round-trips and every malformed field is an InputError nam
   cases.push_back({"steps", with([](auto& j) { j["scenarios"]["general"]["steps"] = 1; })});
   cases.push_back({"after_layer", with([](auto& j) { j["scenarios"]["general"]["steps"][0]["after_layer"] = -1; })});
   cases.push_back({"after_layer", with([](auto& j) { j["scenarios"]["general"]["steps"][1]["after_layer"] = 0; })});
+  cases.push_back({"cut", with([](auto& j) { j["scenarios"]["general"]["steps"][0]["cut"] = "middle"; })});
+  cases.push_back({"cut", with([](auto& j) { j["scenarios"]["general"]["steps"][0]["cut"] = 0; })});
+  // An input cut at layer 1 after an output cut at layer 0: both first prune layer 1.
+  cases.push_back({"after_layer", with([](auto& j) {
+                     j["scenarios"]["general"]["steps"][1]["after_layer"] = 1;
+                     j["scenarios"]["general"]["steps"][1]["cut"] = "input";
+                   })});
   cases.push_back({"threshold", with([](auto& j) { j["scenarios"]["general"]["steps"][0]["threshold"] = "high"; })});
   cases.push_back({"keep_ratio", with([](auto& j) { j["scenarios"]["general"]["steps"][0]["keep_ratio"] = 2; })});
   cases.push_back({"default_scenario", with([](auto& j) { j["default_scenario"] = "video_qa"; })});

@@ -8,6 +8,10 @@
 #include <string>
 #include <vector>
 
+namespace vlmopt::eval {
+struct PruneOptions;
+}
+
 namespace vlmopt::app {
 
 struct GlobalOptions {
@@ -15,6 +19,10 @@ struct GlobalOptions {
   bool json = false;        // machine-readable result on stdout
   std::string device = "cpu";
 };
+
+// The pruning options eval and bench share: --no-prune, --prune-config, --scenario and the
+// ad-hoc single-step plan (--prune-rule/-layer/-cut/-keep/-threshold/-floor/-seed/-batch-keep).
+void add_prune_options(CLI::App& cmd, eval::PruneOptions& prune);
 
 // Each subcommand registers itself: adds a CLI11 subcommand and its callback.
 using Register = void (*)(CLI::App& root, const GlobalOptions& globals);

@@ -44,17 +44,7 @@ void register_bench(CLI::App& root, const GlobalOptions& globals) {
   prefill->add_option("--batch-size", prefill_opts->batch_size, "Samples per forward pass")->capture_default_str();
   prefill->add_option("--repeats", prefill_opts->repeats, "Timed passes over the samples")->capture_default_str();
   prefill->add_option("--dtype", s.dtype, "float32 | bfloat16 | float16")->capture_default_str();
-  prefill->add_flag("--no-prune{false}", s.prune.apply_bundle_plan, "Ignore the bundle's vlmopt/prune.json");
-  prefill->add_option("--prune-config", s.prune.config, "Apply this prune.json");
-  prefill->add_option("--scenario", s.prune.scenario, "prune.json scenario");
-  prefill->add_option("--prune-rule", s.prune.rule, "Ad-hoc pruning: vlmopt | fastv | random")
-      ->check(CLI::IsMember({"vlmopt", "fastv", "random"}));
-  prefill->add_option("--prune-layer", s.prune.layer, "Ad-hoc: prune after this layer")->capture_default_str();
-  prefill->add_option("--prune-keep", s.prune.keep, "Ad-hoc fastv/random keep fraction")->capture_default_str();
-  prefill->add_option("--prune-threshold", s.prune.threshold, "Ad-hoc vlmopt threshold")->capture_default_str();
-  prefill->add_option("--prune-seed", s.prune.seed, "Ad-hoc random seed")->capture_default_str();
-  prefill->add_option("--prune-batch-keep", s.prune.batch_keep, "per_sample | batch_mean (default: the plan's)")
-      ->check(CLI::IsMember({"per_sample", "batch_mean"}));
+  add_prune_options(*prefill, s.prune);
   prefill->callback([prefill_opts, &globals] {
     prefill_opts->session.device = globals.device;
     const auto result = prune::bench_prefill(*prefill_opts);

@@ -15,6 +15,7 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
   auto drop = std::make_shared<double>(0.01);
   auto budget = std::make_shared<double>(0.0);
   auto batch_keep = std::make_shared<std::string>("per_sample");
+  auto cut = std::make_shared<std::string>("output");
   auto* cmd = root.add_subcommand("prune-fit", "Fit per-layer visual-token pruning thresholds (writes prune.json)");
   cmd->add_option("--model", opts->session.model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
   cmd->add_option("--bundle", opts->bundle, "Fit on this bundle and write vlmopt/prune.json into it");
@@ -33,7 +34,11 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
   d->excludes(l);
   cmd->add_option("--scenario", opts->scenario, "Scenario profile to write (general, document, video_qa, ...)")
       ->capture_default_str();
-  cmd->add_option("--layers", opts->candidate_layers, "Candidate layers to prune after (default: all but the last)");
+  cmd->add_option("--layers", opts->candidate_layers,
+                  "Candidate scoring layers (default: all but the last for --cut output, all for --cut input)");
+  cmd->add_option("--cut", *cut, "output: drop after the scoring layer | input: that layer already sees only the kept")
+      ->check(CLI::IsMember({"output", "input"}))
+      ->capture_default_str();
   cmd->add_option("--floor", opts->policy.floor, "Keep-ratio floor")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   cmd->add_option("--batch-keep", *batch_keep, "per_sample | batch_mean: how batched samples share keep counts")
       ->check(CLI::IsMember({"per_sample", "batch_mean"}))
@@ -50,6 +55,7 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
   cmd->callback([=, &globals] {
     opts->session.device = globals.device;
     opts->policy.batch_keep = model::parse_batch_keep(*batch_keep, "--batch-keep");
+    opts->cut = model::parse_prune_cut(*cut, "--cut");
     if (*t) opts->target_keep = *target;
     if (*d) opts->max_accuracy_drop = *drop;
     if (*l) opts->latency_budget_ms = *budget;
@@ -59,9 +65,11 @@ void register_prune_fit(CLI::App& root, const GlobalOptions& globals) {
       std::puts(report.dump().c_str());
     } else {
       const auto& c = report["chosen"];
-      std::printf("%s\n", fmt::format("prune-fit ({}): prune after layer {}, threshold {:.4f}, keeps {:.3f} of the visual "
+      const bool input_cut = c["cut"].get<std::string>() == "input";
+      std::printf("%s\n", fmt::format("prune-fit ({}): prune {} layer {}, threshold {:.4f}, keeps {:.3f} of the visual "
                                       "tokens (equivalent {:.3f}), sensitivity recall {:.3f}\nwrote {}",
-                                      report["mode"].get<std::string>(), c["after_layer"].get<int64_t>(),
+                                      report["mode"].get<std::string>(), input_cut ? "at the input of" : "after",
+                                      c["after_layer"].get<int64_t>(),
                                       c["threshold"].get<double>(), c["keep_ratio"].get<double>(),
                                       c["equivalent_keep"].get<double>(), c["sensitivity_recall"].get<double>(),
                                       report["written"].get<std::string>())

@@ -35,7 +35,7 @@ std::vector<int64_t> per_sample_counts(const torch::Tensor& mask) {
 
 int64_t KVCache::length() const {
   if (keys_.empty() || !keys_.front().defined()) return 0;
-  return keys_.front().size(2);
+  return keys_.front().size(2) + uncached_;
 }
 
 int64_t KVCache::length(int64_t layer) const {
@@ -82,6 +82,7 @@ void KVCache::clear() {
   for (auto& t : keys_) t = torch::Tensor();
   for (auto& t : values_) t = torch::Tensor();
   for (auto& t : key_masks_) t = torch::Tensor();
+  uncached_ = 0;
 }
 
 DecoderAttentionImpl::DecoderAttentionImpl(const std::string& prefix, int64_t layer, const io::TextConfig& config,
@@ -330,7 +331,8 @@ LanguageModelImpl::PrunedPrefill LanguageModelImpl::run_layers_pruned(torch::Ten
   for (size_t s = 0; s < plan.steps.size(); ++s) {
     const auto& step = plan.steps[s];
     const int64_t layer = step.after_layer;
-    // (Skipped when empty so hidden_states.0 is published once, by the call that runs layer 0.)
+    // (Skipped when empty so hidden_states.0 is published once, by the call that runs layer 0:
+    // with an input cut at layer 0 that is the pruned sequence.)
     if (layer > begin) hidden = run_layers(hidden, begin, layer, current, collect);
     const auto visual = image.logical_and(valid);
     const auto positions = torch::arange(tokens, long_options).unsqueeze(0);  // [1,T]
@@ -350,8 +352,10 @@ LanguageModelImpl::PrunedPrefill LanguageModelImpl::run_layers_pruned(torch::Ten
       }
       scores = attention_received(layer, hidden, current, rows);
     }
-    hidden = run_layers(hidden, layer, layer + 1, current, collect);
-    account(begin, layer + 1);
+    // An output cut runs the scoring layer on every token first; an input cut prunes its input.
+    const int64_t pruned_from = step.first_pruned_layer();
+    if (pruned_from > layer) hidden = run_layers(hidden, layer, pruned_from, current, collect);
+    account(begin, pruned_from);
 
     std::vector<double> entropy;
     const auto keep = select_kept_tokens(plan, step, static_cast<int64_t>(s), scores, visual, &entropy);
@@ -387,10 +391,11 @@ LanguageModelImpl::PrunedPrefill LanguageModelImpl::run_layers_pruned(torch::Ten
     next.token_mask = valid.to(torch::kInt64);
     next.append_key_mask = valid;
     next.record_key_mask = true;
+    if (pruned_from == 0 && current.cache != nullptr) current.cache->add_uncached_positions(tokens - kept);
     current = std::move(next);
     tokens = kept;
     visual_counts = per_sample_counts(image.logical_and(valid));
-    begin = layer + 1;
+    begin = pruned_from;
   }
   hidden = run_layers(hidden, begin, num_layers(), current, collect);
   account(begin, num_layers());

@@ -25,14 +25,17 @@ inline constexpr const char* kLanguagePrefix = "model.language_model";
 
 // Keys/values of every decoder layer, [B, kv_heads, T, head_dim] each, grown by
 // concatenation along T as tokens are decoded. After a pruned prefill the layers
-// behind the cut cache fewer tokens than layer 0; such layers also keep a key mask.
+// behind the cut cache fewer tokens than the sequence has; such layers also keep a key mask.
 class KVCache {
  public:
   explicit KVCache(int64_t num_layers = 0)
       : keys_(static_cast<size_t>(num_layers)), values_(keys_.size()), key_masks_(keys_.size()) {}
   int64_t num_layers() const { return static_cast<int64_t>(keys_.size()); }
-  // Tokens cached so far (layer 0; 0 when empty). Layer 0 always holds the full sequence.
+  // Sequence positions so far: what layer 0 caches (the full sequence, unless an input cut
+  // at layer 0 pruned it) plus the positions such a cut dropped before any layer cached them.
   int64_t length() const;
+  // An input cut at layer 0 dropped `count` columns of the prompt before layer 0 ran.
+  void add_uncached_positions(int64_t count) { uncached_ += count; }
   int64_t length(int64_t layer) const;
   // Appends this step's k/v for `layer` and returns the full (past + new) k/v.
   // `new_key_mask` [B,T_new] (1 = real token; undefined = all real) is recorded when the
@@ -50,6 +53,7 @@ class KVCache {
 
  private:
   std::vector<torch::Tensor> keys_, values_, key_masks_;
+  int64_t uncached_ = 0;  // positions no layer caches (see add_uncached_positions)
 };
 
 // Everything the decoder layers need besides the hidden states, computed once

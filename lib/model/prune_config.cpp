@@ -48,7 +48,7 @@ double optional_number(const json& j, const std::string& where, const char* key,
 
 PruneStep parse_step(const json& j, const std::string& where) {
   VLMOPT_CHECK_INPUT(j.is_object(), "{}: expected an object, got {}", where, type_name(j));
-  reject_unknown(j, where, {"after_layer", "threshold", "keep_ratio"});
+  reject_unknown(j, where, {"after_layer", "threshold", "keep_ratio", "cut"});
   PruneStep step;
   const auto& layer = require(j, where, "after_layer");
   VLMOPT_CHECK_INPUT(layer.is_number_integer() && layer.get<int64_t>() >= 0 && layer.get<int64_t>() < 100000,
@@ -56,11 +56,18 @@ PruneStep parse_step(const json& j, const std::string& where) {
   step.after_layer = layer.get<int64_t>();
   step.threshold = optional_number(j, where, "threshold", 1.0, 0.0, 1e9);
   step.keep_ratio = optional_number(j, where, "keep_ratio", 1.0, 0.0, 1.0);
+  if (const auto it = j.find("cut"); it != j.end()) {
+    VLMOPT_CHECK_INPUT(it->is_string(), "{}: cut: expected a string, got {}", where, type_name(*it));
+    step.cut = parse_prune_cut(it->get<std::string>(), where + ": cut");
+  }
   return step;
 }
 
 json step_json(const PruneStep& s) {
-  return {{"after_layer", s.after_layer}, {"threshold", s.threshold}, {"keep_ratio", s.keep_ratio}};
+  return {{"after_layer", s.after_layer},
+          {"threshold", s.threshold},
+          {"keep_ratio", s.keep_ratio},
+          {"cut", std::string(prune_cut_name(s.cut))}};
 }
 
 }  // namespace
@@ -156,9 +163,13 @@ PruneConfig prune_config_from_json(const nlohmann::json& j, const std::string& w
     for (size_t i = 0; i < steps.size(); ++i)
       scenario.steps.push_back(parse_step(steps[i], fmt::format("{}.steps[{}]", w, i)));
     for (size_t i = 1; i < scenario.steps.size(); ++i) {
-      VLMOPT_CHECK_INPUT(scenario.steps[i].after_layer > scenario.steps[i - 1].after_layer,
-                         "{}.steps[{}]: after_layer: expected > {}, got {}", w, i, scenario.steps[i - 1].after_layer,
-                         scenario.steps[i].after_layer);
+      // Each step must cut later than the one before (an input cut at l+1 follows an output cut at l).
+      const auto& prev = scenario.steps[i - 1];
+      const auto& step = scenario.steps[i];
+      VLMOPT_CHECK_INPUT(step.first_pruned_layer() > prev.first_pruned_layer(),
+                         "{}.steps[{}]: after_layer: expected a cut after the previous step's ({} cut at layer {}), "
+                         "got the {} cut at layer {}",
+                         w, i, prune_cut_name(prev.cut), prev.after_layer, prune_cut_name(step.cut), step.after_layer);
     }
     c.scenarios[name] = std::move(scenario);
   }

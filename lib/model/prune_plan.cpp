@@ -36,23 +36,32 @@ BatchKeep parse_batch_keep(std::string_view name, std::string_view where) {
   throw InputError(fmt::format("{}: expected one of per_sample, batch_mean, got '{}'", where, name));
 }
 
+std::string_view prune_cut_name(PruneCut cut) { return cut == PruneCut::kInput ? "input" : "output"; }
+
+PruneCut parse_prune_cut(std::string_view name, std::string_view where) {
+  if (name == "output") return PruneCut::kOutput;
+  if (name == "input") return PruneCut::kInput;
+  throw InputError(fmt::format("{}: expected one of output, input, got '{}'", where, name));
+}
+
 void PrunePlan::validate(int64_t num_layers, std::string_view where) const {
   VLMOPT_CHECK_INPUT(min_keep >= 0.0 && min_keep <= 1.0, "{}: min_keep: expected a fraction in [0,1], got {}", where,
                      min_keep);
   VLMOPT_CHECK_INPUT(max_keep >= min_keep && max_keep <= 1.0, "{}: max_keep: expected a fraction in [{},1], got {}",
                      where, min_keep, max_keep);
-  int64_t previous = -1;
+  int64_t previous = -1;  // first pruned layer of the step before
   for (size_t i = 0; i < steps.size(); ++i) {
     const auto& s = steps[i];
-    // The last layer has nothing after it to benefit from the pruning.
-    VLMOPT_CHECK_INPUT(s.after_layer > previous && s.after_layer < num_layers - 1,
-                       "{}: steps[{}].after_layer: expected increasing layers in [0, {}), got {}", where, i,
-                       num_layers - 1, s.after_layer);
+    // An output cut after the last layer has nothing after it to benefit from the pruning.
+    const int64_t last = s.cut == PruneCut::kInput ? num_layers : num_layers - 1;
+    VLMOPT_CHECK_INPUT(s.after_layer >= 0 && s.after_layer < last && s.first_pruned_layer() > previous,
+                       "{}: steps[{}].after_layer: expected increasing cuts, layers in [0, {}) for a {} cut, got {}",
+                       where, i, last, prune_cut_name(s.cut), s.after_layer);
     VLMOPT_CHECK_INPUT(std::isfinite(s.threshold) && s.threshold >= 0.0,
                        "{}: steps[{}].threshold: expected a finite number >= 0, got {}", where, i, s.threshold);
     VLMOPT_CHECK_INPUT(s.keep_ratio >= 0.0 && s.keep_ratio <= 1.0,
                        "{}: steps[{}].keep_ratio: expected a fraction in [0,1], got {}", where, i, s.keep_ratio);
-    previous = s.after_layer;
+    previous = s.first_pruned_layer();
   }
 }
 

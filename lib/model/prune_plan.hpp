@@ -2,11 +2,14 @@
 // score the visual tokens, the rule that decides how many survive, and what a
 // pruned prefill reports back (visual tokens each layer processed).
 //
-// A step "after layer l" scores the visual tokens with the attention they
-// receive in layer l (its own q/k, recomputed for the query rows only, so it
-// also works with fused attention), then layers l+1.. see only the kept tokens
-// at their ORIGINAL positions (RoPE). Layer l itself and every layer before it
-// process (and cache) the full prompt.
+// A step at layer l scores the visual tokens with the attention they receive
+// in layer l (its own q/k on the layer's input, recomputed for the query rows
+// only, so it also works with fused attention). With the default output cut,
+// layers l+1.. see only the kept tokens at their ORIGINAL positions (RoPE) and
+// layer l and every layer before it process (and cache) the full prompt. With
+// the input cut, layer l itself already runs on the kept tokens: its scores come
+// from its input, so nothing else changes, but one more layer is cheaper (the
+// only way to shorten layer 0).
 #pragma once
 
 #include <torch/torch.h>
@@ -47,22 +50,37 @@ BatchKeep parse_batch_keep(std::string_view name, std::string_view where);
 // "vlmopt" (or "dual"), "fastv", "random"; InputError naming `where` otherwise.
 PruneRule parse_prune_rule(std::string_view name, std::string_view where);
 
+// Where a step drops the tokens it did not keep.
+enum class PruneCut {
+  kOutput,  // after its layer: the layer itself processes every token ("output", the default)
+  kInput,   // before its layer: the layer already processes the kept tokens only ("input")
+};
+
+std::string_view prune_cut_name(PruneCut cut);
+// "output" | "input"; InputError naming `where` otherwise.
+PruneCut parse_prune_cut(std::string_view name, std::string_view where);
+
 struct PruneStep {
   int64_t after_layer = 0;  // 0-based decoder layer whose attention scores the tokens
   double threshold = 1.0;   // kDual: keep score >= threshold
   double keep_ratio = 1.0;  // kFastV / kRandom: fraction of the step's visual tokens kept (rounded)
+  PruneCut cut = PruneCut::kOutput;
+  // The first layer that sees only the kept tokens.
+  int64_t first_pruned_layer() const { return cut == PruneCut::kInput ? after_layer : after_layer + 1; }
 };
 
 struct PrunePlan {
   PruneRule rule = PruneRule::kDual;
-  std::vector<PruneStep> steps;  // strictly increasing after_layer, each < layers - 1
+  // Strictly increasing first_pruned_layer(), each < layers (an output cut is
+  // therefore never after the last layer, which has nothing after it to benefit).
+  std::vector<PruneStep> steps;
   // kDual per-sample bounds on the kept fraction of the visual tokens entering a step:
   // min_keep is the floor, max_keep the hardware-aware cap max(floor, 1 - a*mem - b*l2).
   double min_keep = 0.3;
   double max_keep = 1.0;
   BatchKeep batch_keep = BatchKeep::kPerSample;  // kDual
   uint64_t seed = 0;                              // kRandom
-  // InputError (naming `where`) for steps out of [0, num_layers - 1) or unsorted, ratios out of [0,1].
+  // InputError (naming `where`) for cuts outside the decoder or unsorted, ratios out of [0,1].
   void validate(int64_t num_layers, std::string_view where = "prune plan") const;
 };
 

@@ -9,8 +9,9 @@ over rounds of its ratio to the same round's unpruned run.
     scripts/bench/prune_latency.py --vlmopt VLMOPT --fits PARETO_OUT [--rounds 5]
         [--samples 64] [--repeats 3] [--batch-sizes 1,8] [--out latency.json]
 
-PARETO_OUT is a prune_pareto.py --out directory with fit_0.5/, fit_0.5_0/ and
-fit_0.25_0/ (--budgets ...,0.5,0.25 --vlmopt-variants auto,L0).
+PARETO_OUT is a prune_pareto.py --out directory with fit_0.5/, fit_0.5_0/,
+fit_0.25_0/, fit_0.5_0_input/ and fit_0.25_0_input/ (--budgets ...,0.5,0.25
+--vlmopt-variants auto,L0,L0:input). --configs picks some by name (comma list).
 """
 import argparse
 import json
@@ -28,8 +29,13 @@ def configs(fits):
         "vlmopt L0 0.5 batch_mean": ["--prune-config", os.path.join(fits, "fit_0.5_0", "prune.json"),
                                      "--prune-batch-keep", "batch_mean"],
         "fastv K2 0.5": ["--prune-rule", "fastv", "--prune-layer", "1", "--prune-keep", "0.5"],
+        "vlmopt L0 input 0.5": ["--prune-config", os.path.join(fits, "fit_0.5_0_input", "prune.json")],
+        "vlmopt L0 input 0.5 batch_mean": ["--prune-config", os.path.join(fits, "fit_0.5_0_input", "prune.json"),
+                                           "--prune-batch-keep", "batch_mean"],
         "vlmopt L0 0.25 batch_mean": ["--prune-config", os.path.join(fits, "fit_0.25_0", "prune.json"),
                                       "--prune-batch-keep", "batch_mean"],
+        "vlmopt L0 input 0.25 batch_mean": ["--prune-config", os.path.join(fits, "fit_0.25_0_input", "prune.json"),
+                                            "--prune-batch-keep", "batch_mean"],
         "fastv K2 0.25": ["--prune-rule", "fastv", "--prune-layer", "1", "--prune-keep", "0.25"],
     }
 
@@ -44,8 +50,15 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--configs", default=None, help="comma list of configuration names (default: all)")
     args = ap.parse_args()
     cfgs = configs(args.fits)
+    if args.configs:
+        wanted = args.configs.split(",")
+        missing = [n for n in wanted if n not in cfgs]
+        if missing or "none" not in wanted:
+            raise SystemExit(f"--configs: expected names among {list(cfgs)} including 'none', got {wanted}")
+        cfgs = {n: cfgs[n] for n in wanted}
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     ms = {(name, bs): [] for name in cfgs for bs in sizes}
     kept = {}

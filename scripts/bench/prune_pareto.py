@@ -5,9 +5,11 @@ For each budget (fraction of the visual tokens kept after the cut, FastV's R):
 
   * vlmopt   `vlmopt prune-fit --target-keep B --out OUT/fit_B` on the calibration
              split, then `vlmopt eval --prune-config OUT/fit_B/prune.json`. Each
-             --vlmopt-variants entry is one curve: `auto` (prune-fit picks the layer),
-             `L<n>` (`--layers n`), and a `:batch_mean` suffix evaluates and times the
-             fit with `--prune-batch-keep batch_mean` (no padding in a batch).
+             --vlmopt-variants entry is one curve: `auto` (prune-fit picks the layer) or
+             `L<n>` (`--layers n`), then optional suffixes: `:input` fits an input cut
+             (`--cut input`: the scoring layer itself sees only the kept tokens) and
+             `:batch_mean` evaluates and times the fit with `--prune-batch-keep
+             batch_mean` (no padding in a batch). E.g. auto,L0,L0:input:batch_mean.
   * fastv    `vlmopt eval --prune-rule fastv --prune-layer K-1 --prune-keep B` (K=2)
   * random   `vlmopt eval --prune-rule random --prune-layer K-1 --prune-keep B --prune-seed S`,
              mean over --seeds
@@ -96,30 +98,32 @@ def main():
     points = []
     unpruned = evaluate([])
     unpruned_latency = latency([])
-    variants = []  # (method name, prune-fit layer args, eval/bench batch-keep args)
+    variants = []  # (method name, prune-fit args, fit dir suffix, eval/bench batch-keep args)
     for v in args.vlmopt_variants.split(","):
-        layers, _, keep = v.partition(":")
+        layers, *suffixes = v.split(":")
         if layers != "auto" and not (layers.startswith("L") and layers[1:].isdigit()):
             raise SystemExit(f"--vlmopt-variants: expected auto or L<n>, got '{layers}'")
-        if keep not in ("", "batch_mean"):
-            raise SystemExit(f"--vlmopt-variants: expected the suffix :batch_mean, got ':{keep}'")
-        name = "vlmopt" + ("" if layers == "auto" else "-" + layers) + ("-batch_mean" if keep else "")
-        variants.append((name, [] if layers == "auto" else ["--layers", layers[1:]],
-                         ["--prune-batch-keep", keep] if keep else []))
+        unknown = [x for x in suffixes if x not in ("input", "batch_mean")]
+        if unknown or len(set(suffixes)) != len(suffixes):
+            raise SystemExit(f"--vlmopt-variants: expected the suffixes :input and/or :batch_mean, got '{v}'")
+        fit_args = ([] if layers == "auto" else ["--layers", layers[1:]]) + (["--cut", "input"] if "input" in suffixes else [])
+        dir_suffix = ("" if layers == "auto" else "_" + layers[1:]) + ("_input" if "input" in suffixes else "")
+        name = "-".join(["vlmopt"] + ([] if layers == "auto" else [layers]) + [x for x in ("input", "batch_mean") if x in suffixes])
+        variants.append((name, fit_args, dir_suffix,
+                         ["--prune-batch-keep", "batch_mean"] if "batch_mean" in suffixes else []))
     for method in [v[0] for v in variants] + ["fastv", "random"]:
         points.append({"method": method, "budget": 1.0, **unpruned, "prefill": unpruned_latency})
     for budget in budgets:
         if budget >= 1.0:
             continue
         fits = {}
-        for name, layer_args, keep_args in variants:
-            key = " ".join(layer_args)
-            if key not in fits:  # one fit per layer choice; batch_mean reuses it
-                fit_dir = os.path.join(args.out, f"fit_{budget:g}" + ("_" + "_".join(layer_args[1:]) if layer_args else ""))
-                fits[key] = (fit_dir, run_json(base + ["prune-fit"] + common +
-                                               ["--data", args.calib, "--limit", str(args.calib_limit),
-                                                "--target-keep", str(budget), "--out", fit_dir] + layer_args))
-            fit_dir, fit = fits[key]
+        for name, fit_args, dir_suffix, keep_args in variants:
+            if dir_suffix not in fits:  # one fit per layer and cut choice; batch_mean reuses it
+                fit_dir = os.path.join(args.out, f"fit_{budget:g}{dir_suffix}")
+                fits[dir_suffix] = (fit_dir, run_json(base + ["prune-fit"] + common +
+                                                      ["--data", args.calib, "--limit", str(args.calib_limit),
+                                                       "--target-keep", str(budget), "--out", fit_dir] + fit_args))
+            fit_dir, fit = fits[dir_suffix]
             cfg = ["--prune-config", os.path.join(fit_dir, "prune.json")] + keep_args
             points.append({"method": name, "budget": budget, **evaluate(cfg), "prefill": latency(cfg),
                            "fit": fit["chosen"]})
