@@ -27,7 +27,9 @@ nlohmann::json PipelineOptions::to_json() const {
           {"eval_data", eval_data},   {"eval_limit", eval_limit},
           {"batch_size", batch_size}, {"compensate_steps", compensate_steps},
           {"compensate_samples", compensate_samples}, {"prune_keep", prune_keep},
-          {"prune_calib_samples", prune_calib_samples}, {"align_samples", align_samples},
+          {"prune_calib_samples", prune_calib_samples},
+          {"prune_cut", std::string(model::prune_cut_name(prune_cut))}, {"prune_layers", prune_layers},
+          {"align_samples", align_samples},
           {"out", out.string()}};
 }
 
@@ -119,6 +121,8 @@ PipelineResult run_pipeline(const PipelineOptions& options) {
     fit.limit = options.prune_calib_samples;
     fit.batch_size = options.batch_size;
     fit.target_keep = options.prune_keep;
+    fit.cut = options.prune_cut;
+    fit.candidate_layers = options.prune_layers;
     auto fitted = prune::fit(fit);
     fitted["step"] = "prune-fit";
     result.summary["steps"].push_back(fitted);

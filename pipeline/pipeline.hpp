@@ -6,6 +6,7 @@
 // are added to the bundle.
 #pragma once
 
+#include "model/prune_plan.hpp"
 #include "quant/scheme.hpp"
 
 #include <nlohmann/json.hpp>
@@ -35,6 +36,8 @@ struct PipelineOptions {
   // --- visual-token pruning (prune-fit on the calibration data into the bundle)
   double prune_keep = 0.5;          // fraction of visual tokens kept after the cut; 0 = skip the step
   int64_t prune_calib_samples = 64;
+  model::PruneCut prune_cut = model::PruneCut::kOutput;  // input: the scoring layer runs on the kept tokens too
+  std::vector<int64_t> prune_layers;                     // prune-fit candidates (empty: its default)
   // --- alignment diagnosis of the final bundle against the model (reports/align/)
   int64_t align_samples = 16;  // 0 = skip the step
   // --- output

@@ -3,6 +3,7 @@
 // figures are the ones the step reports hold.
 #include "bundle/verify.hpp"
 #include "io/atomic_file.hpp"
+#include "model/prune_config.hpp"
 #include "pipeline/pipeline.hpp"
 #include "test_support.hpp"
 
@@ -30,6 +31,8 @@ TEST_CASE("pipeline: every step runs into one bundle that verifies") {
   options.compensate_samples = 8;
   options.prune_keep = 0.5;
   options.prune_calib_samples = 4;
+  options.prune_cut = model::PruneCut::kInput;  // every decoder layer runs on the kept tokens
+  options.prune_layers = {0};
   options.align_samples = 2;
   options.out = tmp.path() / "bundle";
 
@@ -63,6 +66,15 @@ TEST_CASE("pipeline: every step runs into one bundle that verifies") {
         doctest::Approx(compensated.at("accuracy").get<double>() - fp32.at("accuracy").get<double>()));
   // Pruning really dropped visual tokens in the last evaluation.
   CHECK(pruned.at("visual_tokens_kept").get<double>() < pruned.at("visual_tokens").get<double>());
+  // prune-fit got the cut and layer: an input cut at layer 0 prunes every layer, so the
+  // equivalent keep equals the kept fraction.
+  const auto plan = model::read_prune_config(options.out / "vlmopt" / "prune.json").plan();
+  REQUIRE(plan.steps.size() == 1);
+  CHECK(plan.steps[0].cut == model::PruneCut::kInput);
+  CHECK(plan.steps[0].after_layer == 0);
+  const auto& fitted = summary.at("steps").at(2).at("chosen");
+  CHECK(fitted.at("equivalent_keep").get<double>() == doctest::Approx(fitted.at("keep_ratio").get<double>()));
+  CHECK(read_json(reports / "pipeline.json").at("options").at("prune_cut") == "input");
   CHECK(read_json(reports / "pipeline.json").at("options").at("compensate_steps").get<int64_t>() == 3);
   CHECK(result.format().find("accuracy compensated") != std::string::npos);
 }
