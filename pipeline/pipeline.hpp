@@ -36,8 +36,11 @@ struct PipelineOptions {
   // --- visual-token pruning (prune-fit on the calibration data into the bundle)
   double prune_keep = 0.5;          // fraction of visual tokens kept after the cut; 0 = skip the step
   int64_t prune_calib_samples = 64;
-  model::PruneCut prune_cut = model::PruneCut::kOutput;  // input: the scoring layer runs on the kept tokens too
-  std::vector<int64_t> prune_layers;                     // prune-fit candidates (empty: its default)
+  // Where prune-fit cuts. The default (before layer 0, scored by layer 0) shortens every
+  // decoder layer: the operating point with the largest prefill gain at equal accuracy
+  // on the builtin model (docs/BENCHMARKS.md). Empty layers: prune-fit's own default.
+  model::PruneCut prune_cut = model::PruneCut::kInput;
+  std::vector<int64_t> prune_layers{0};
   // --- alignment diagnosis of the final bundle against the model (reports/align/)
   int64_t align_samples = 16;  // 0 = skip the step
   // --- output

@@ -10,7 +10,7 @@ namespace vlmopt::app {
 void register_pipeline(CLI::App& root, const GlobalOptions& globals) {
   auto opts = std::make_shared<pipeline::PipelineOptions>();
   auto scheme = std::make_shared<std::string>("w8a8");
-  auto prune_cut = std::make_shared<std::string>("output");
+  auto prune_cut = std::make_shared<std::string>("input");
   auto* cmd = root.add_subcommand("pipeline", "Run every optimization step in order into one bundle, and report");
   cmd->add_option("--model", opts->model, "HF LLaVA model directory or 'builtin'")->capture_default_str();
   cmd->add_option("--out", opts->out, "Bundle directory to write (replaced atomically)")->required();
@@ -35,7 +35,8 @@ void register_pipeline(CLI::App& root, const GlobalOptions& globals) {
   cmd->add_option("--prune-cut", *prune_cut, "prune-fit --cut: output | input (the scoring layer sees only the kept)")
       ->check(CLI::IsMember({"output", "input"}))
       ->capture_default_str();
-  cmd->add_option("--prune-layers", opts->prune_layers, "prune-fit --layers: candidate scoring layers");
+  cmd->add_option("--prune-layers", opts->prune_layers, "prune-fit --layers: candidate scoring layers")
+      ->capture_default_str();
   cmd->add_option("--align-samples", opts->align_samples, "diagnose-align samples (0 = no diagnosis step)")
       ->capture_default_str();
   cmd->callback([opts, scheme, prune_cut, &globals] {
