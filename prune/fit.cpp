@@ -84,7 +84,7 @@ std::vector<LayerStats> collect_statistics(eval::VlmSession& session, const data
                                                    inputs, rows);
       const auto dual = model::dual_scores(received, visual).first;
       st.score.push_back(dual.masked_select(visual).to(torch::kCPU));
-      const int64_t dropped_at = cut == model::PruneCut::kInput ? st.layer : st.layer + 1;
+      const int64_t dropped_at = model::PruneStep{.after_layer = st.layer, .cut = cut}.first_pruned_layer();
       const auto& at = layer_inputs[static_cast<size_t>(dropped_at)];
       VLMOPT_CHECK(at.grad().defined(), "no gradient at the input of layer {}", dropped_at);
       const auto sens = at.grad().abs().sum(-1) / at.detach().abs().sum(-1).clamp_min(1e-12);  // [1,T]
@@ -343,7 +343,7 @@ nlohmann::json fit(const PruneFitOptions& options) {
   m.set_prune_plan(std::nullopt);
 
   // Equivalent-token accounting: layers before the cut see every visual token, the rest the kept ones.
-  const int64_t first_pruned = input_cut ? chosen.layer : chosen.layer + 1;
+  const int64_t first_pruned = model::PruneStep{.after_layer = chosen.layer, .cut = options.cut}.first_pruned_layer();
   const double equivalent = (static_cast<double>(first_pruned) +
                              static_cast<double>(layers - first_pruned) * chosen.calib_keep) /
                             static_cast<double>(layers);
