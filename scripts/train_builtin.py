@@ -468,15 +468,21 @@ def encode_batch(tok: Tokenizer, questions, answers, ids, extra_turns=None, retu
 
 
 @torch.no_grad()
-def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int) -> tuple[float, dict]:
-    """Teacher-forced first-answer-token accuracy on a pack (cheap progress signal)."""
+def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None) -> tuple[float, dict]:
+    """Teacher-forced first-answer-token accuracy on a pack (cheap progress signal).
+
+    logits_fn(input_ids, attention_mask, images, idx) -> logits replaces the plain
+    model call (experiments that feed the decoder something else)."""
+    if logits_fn is None:
+        logits_fn = lambda input_ids, attn, imgs, _idx: model(
+            input_ids=input_ids, attention_mask=attn, pixel_values=to_pixels(imgs)).logits
     model.eval()
     correct, by_type = 0, {}
     for s in range(0, min(n, len(pack)), batch):
         idx = np.arange(s, min(s + batch, n, len(pack)))
         imgs, qs, ans, types = pack.batch(idx)
         input_ids, attn, lab = encode_batch(tok, qs, ans, ids)
-        logits = model(input_ids=input_ids, attention_mask=attn, pixel_values=to_pixels(imgs)).logits
+        logits = logits_fn(input_ids, attn, imgs, idx)
         for i in range(len(idx)):
             pos = int((lab[i] != -100).nonzero()[0])
             ok = int(logits[i, pos - 1].argmax()) == int(lab[i, pos])
@@ -638,7 +644,8 @@ def main() -> int:
     print(f"[train] done: {step} steps, {train_seconds:.0f} s, calib first-token acc {acc:.4f} {by_type}", file=sys.stderr)
 
     out = Path(args.out)
-    tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=out.parent))  # same filesystem: the rename is atomic
     model.save_pretrained(tmp, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
