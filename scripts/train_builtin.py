@@ -573,8 +573,11 @@ def main() -> int:
             print(f"[train] first stage from {cache}", file=sys.stderr)
         else:
             vision_log = pretrain_vision_pooled(model, tap, pooled_heads, train, held, shapes, colors, args)
-            safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, cache)
+            # Log first, weights last via temp + rename: the weights' presence means the entry is complete.
             (work / f"{key}.json").write_text(json.dumps(vision_log))
+            partial = cache.with_suffix(".partial")
+            safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
+            os.replace(partial, cache)
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, train, held, shapes, colors, args)
     aux_params = list((pooled_heads if pooled_heads is not None else heads).parameters())
