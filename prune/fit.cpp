@@ -184,6 +184,13 @@ void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? -1 : device.index());
 }
 
+double median(std::vector<double> values) {
+  VLMOPT_CHECK(!values.empty(), "median of no values");
+  std::sort(values.begin(), values.end());
+  const size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+}
+
 // Prefill ms per batch: the median over `repeats` timed passes (after a warm-up) of each
 // pass's mean (the median resists other processes on a shared machine), and mean visual tokens kept.
 std::pair<double, double> time_prefill(eval::VlmSession& session, const std::vector<eval::PreparedBatch>& batches,
@@ -215,10 +222,25 @@ std::pair<double, double> time_prefill(eval::VlmSession& session, const std::vec
     pass_ms.push_back(1000.0 * std::chrono::duration<double>(Clock::now() - start).count() /
                       static_cast<double>(batches.size()));
   }
-  std::sort(pass_ms.begin(), pass_ms.end());
-  const size_t n = pass_ms.size();
-  const double median = n % 2 == 1 ? pass_ms[n / 2] : 0.5 * (pass_ms[n / 2 - 1] + pass_ms[n / 2]);
-  return {median, kept / (static_cast<double>(repeats) * static_cast<double>(batches.size()))};
+  return {median(pass_ms), kept / (static_cast<double>(repeats) * static_cast<double>(batches.size()))};
+}
+
+// Vision tower + projector alone (the part of a prefill no visual-token pruning can shorten):
+// ms per batch, the median over `repeats` timed passes after a warm-up, as time_prefill.
+double time_image_features(eval::VlmSession& session, const std::vector<eval::PreparedBatch>& batches, int repeats) {
+  auto& m = session.model();
+  torch::NoGradGuard no_grad;
+  for (const auto& b : batches) m.image_features(b.pixel_values);  // warm-up
+  synchronize(m.device());
+  std::vector<double> pass_ms;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = Clock::now();
+    for (const auto& b : batches) m.image_features(b.pixel_values);
+    synchronize(m.device());
+    pass_ms.push_back(1000.0 * std::chrono::duration<double>(Clock::now() - start).count() /
+                      static_cast<double>(batches.size()));
+  }
+  return median(pass_ms);
 }
 
 std::vector<eval::PreparedBatch> prepare_batches(eval::VlmSession& session, const datasets::DatasetSource& source,
@@ -406,8 +428,10 @@ nlohmann::json bench_prefill(const PrefillBenchOptions& options) {
   const int64_t samples = sample_count(*source, options.samples);
   const auto batches = prepare_batches(session, *source, samples, options.batch_size);
   const auto [ms, kept] = time_prefill(session, batches, options.repeats);
+  const double vision_ms = time_image_features(session, batches, options.repeats);
   const double per_batch_samples = static_cast<double>(samples) / static_cast<double>(batches.size());
   return {{"prefill_ms_per_batch", ms},
+          {"image_features_ms_per_batch", vision_ms},
           {"prefill_ms_per_sample", ms / per_batch_samples},
           {"batch_size", options.batch_size},
           {"samples", samples},

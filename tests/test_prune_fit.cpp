@@ -82,3 +82,27 @@ TEST_CASE("prune-fit: candidate layers must suit the cut") {
   const auto all_out = prune::fit(fit_options(tmp / "d", model::PruneCut::kOutput, {}));
   CHECK(all_out.at("layers").size() == 2);
 }
+
+TEST_CASE("bench prefill: reports the vision tower's share next to the prefill, pruned or not") {
+  prune::PrefillBenchOptions o;
+  o.session.model = fixture_dir("clip_llama_gqa_sharded").string();
+  o.data = "builtin:calib";
+  o.samples = 4;
+  o.batch_size = 2;
+  o.repeats = 1;
+  const auto unpruned = prune::bench_prefill(o);
+  o.session.prune.rule = "random";
+  o.session.prune.layer = 0;
+  o.session.prune.cut = "input";
+  o.session.prune.keep = 0.0;  // every visual token dropped before the decoder
+  const auto pruned = prune::bench_prefill(o);
+  for (const auto* r : {&unpruned, &pruned}) {
+    const double prefill = r->at("prefill_ms_per_batch").get<double>();
+    const double vision = r->at("image_features_ms_per_batch").get<double>();
+    CHECK(vision > 0.0);
+    CHECK(prefill > 0.0);
+    CHECK(r->at("prefill_ms_per_sample").get<double>() == doctest::Approx(prefill / 2.0));
+  }
+  CHECK(unpruned.at("visual_tokens_kept").get<double>() == unpruned.at("visual_tokens").get<double>());
+  CHECK(pruned.at("visual_tokens_kept").get<double>() == 0.0);
+}

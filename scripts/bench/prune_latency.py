@@ -61,6 +61,7 @@ def main():
         cfgs = {n: cfgs[n] for n in wanted}
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     ms = {(name, bs): [] for name in cfgs for bs in sizes}
+    vision = {(name, bs): [] for name in cfgs for bs in sizes}  # vision tower + projector alone
     kept = {}
     for r in range(args.rounds):
         for bs in sizes:
@@ -69,6 +70,7 @@ def main():
                        str(max(args.samples, bs)), "--batch-size", str(bs), "--repeats", str(args.repeats), *extra]
                 out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
                 ms[(name, bs)].append(out["prefill_ms_per_batch"])
+                vision[(name, bs)].append(out["image_features_ms_per_batch"])
                 kept[name] = out["visual_tokens_kept"]
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     rows = []
@@ -77,7 +79,8 @@ def main():
         for bs in sizes:
             ratios = [a / b for a, b in zip(ms[(name, bs)], ms[("none", bs)])]
             row[f"b{bs}"] = {"ms_median": statistics.median(ms[(name, bs)]), "ms_all": ms[(name, bs)],
-                             "ratio_median": statistics.median(ratios), "ratios": ratios}
+                             "ratio_median": statistics.median(ratios), "ratios": ratios,
+                             "image_features_ms_median": statistics.median(vision[(name, bs)])}
         rows.append(row)
     header = f"{'config':28} {'eq.tok':>6} " + " ".join(f"{'b' + str(b) + ' ms':>9} {'vs none':>8}" for b in sizes)
     print(header)
