@@ -169,41 +169,60 @@ def article(word: str) -> str:
 
 
 def derived_turns(scene: dict, shapes: list[str], colors: list[str], max_count: int,
-                  rng: np.random.Generator, k: int) -> list[tuple[str, str]]:
+                  rng: np.random.Generator, k: int, balanced: bool = False) -> list[tuple[str, str]]:
+    """K (question, answer) turns drawn from every question the layout answers unambiguously.
+
+    Uniformly over candidates (the shipped recipe), ~3/4 of them are counts or
+    existence checks of absent attributes ("zero"/"no"), which the language prior
+    answers; `balanced` draws the kinds round-robin (colour, shape, size, position,
+    count, exist-yes, exist-no, digit) so the lookups that need the image dominate."""
     objs = scene.get("objects", [])
-    cands: list[tuple[str, str]] = []
+    cands: list[tuple[str, str, str]] = []  # (kind, question, answer)
     by_shape = {s: [o for o in objs if o["shape"] == s] for s in shapes}
     by_color = {c: [o for o in objs if o["color"] == c] for c in colors}
+    exist = lambda q, found: cands.append(("exist-yes" if found else "exist-no", q, "yes" if found else "no"))
     for s, os_ in by_shape.items():
         if len(os_) <= max_count:
-            cands.append((f"how many {SHAPE_PLURALS[s]} are there ?", NUMBER_WORDS[len(os_)]))
-        cands.append((f"is there {article(s)} {s} ?", "yes" if os_ else "no"))
+            cands.append(("count", f"how many {SHAPE_PLURALS[s]} are there ?", NUMBER_WORDS[len(os_)]))
+        exist(f"is there {article(s)} {s} ?", bool(os_))
         if len(os_) == 1:
-            cands.append((f"what color is the {s} ?", os_[0]["color"]))
+            cands.append(("color", f"what color is the {s} ?", os_[0]["color"]))
     for c, os_ in by_color.items():
         if len(os_) <= max_count:
-            cands.append((f"how many {c} objects are there ?", NUMBER_WORDS[len(os_)]))
-        cands.append((f"is there {article(c)} {c} object ?", "yes" if os_ else "no"))
+            cands.append(("count", f"how many {c} objects are there ?", NUMBER_WORDS[len(os_)]))
+        exist(f"is there {article(c)} {c} object ?", bool(os_))
         if len(os_) == 1:
-            cands.append((f"what shape is the {c} object ?", os_[0]["shape"]))
+            cands.append(("shape", f"what shape is the {c} object ?", os_[0]["shape"]))
     for o in objs:
         desc = f"{o['color']} {o['shape']}"
         if sum(1 for x in objs if x["color"] == o["color"] and x["shape"] == o["shape"]) != 1:
             continue
-        cands.append((f"is there {article(desc)} {desc} ?", "yes"))
-        cands.append((f"is the {desc} small or large ?", o["size"]))
+        exist(f"is there {article(desc)} {desc} ?", True)
+        cands.append(("size", f"is the {desc} small or large ?", o["size"]))
         centre = 48
         if abs(o["cx"] - centre) >= CLEAR_MARGIN:
-            cands.append((f"is the {desc} on the left or the right ?", "left" if o["cx"] < centre else "right"))
+            cands.append(("position", f"is the {desc} on the left or the right ?",
+                          "left" if o["cx"] < centre else "right"))
         if abs(o["cy"] - centre) >= CLEAR_MARGIN:
-            cands.append((f"is the {desc} at the top or the bottom ?", "top" if o["cy"] < centre else "bottom"))
+            cands.append(("position", f"is the {desc} at the top or the bottom ?",
+                          "top" if o["cy"] < centre else "bottom"))
     digits = scene.get("digits", [])
     if len(digits) == 1:
-        cands.append(("which digit is in the box ?", NUMBER_WORDS[int(digits[0]["label"])]))
+        cands.append(("digit", "which digit is in the box ?", NUMBER_WORDS[int(digits[0]["label"])]))
     if not cands or k <= 0:
         return []
+    if balanced:
+        kinds = sorted({kind for kind, _, _ in cands})
+        pools = [[c[1:] for c in cands if c[0] == kind] for kind in kinds]
+        pools = [[pool[i] for i in rng.permutation(len(pool))] for pool in pools]
+        out: list[tuple[str, str]] = []
+        while len(out) < k and any(pools):
+            for j in rng.permutation(len(pools)):
+                if pools[j] and len(out) < k:
+                    out.append(pools[j].pop())
+        return out
     pick = rng.choice(len(cands), size=min(k, len(cands)), replace=False)
-    return [cands[i] for i in pick]
+    return [cands[i][1:] for i in pick]
 
 
 # Attention guidance (training only). A decoder trained from scratch spends most
@@ -402,8 +421,9 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         warm = min(1.0, (step + 1) / 30)
         for g in opt.param_groups:
             g["lr"] = args.vision_lr * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * step / args.vision_steps)))
-        idx = np.unique(np.concatenate([rng.choice(len(train), size=args.vision_batch - half, replace=False),
-                                        rng.choice(digit_idx, size=half, replace=False)]))
+        digits = min(half, len(digit_idx))  # a tiny pack (smoke test) may hold fewer digit scenes
+        idx = np.unique(np.concatenate([rng.choice(len(train), size=args.vision_batch - digits, replace=False),
+                                        rng.choice(digit_idx, size=digits, replace=False)]))
         imgs, *_ = train.batch(idx)
         tower(pixel_values=to_pixels(imgs))
         losses, accs = pooled_losses(tap.value[:, 1:, :], pooled_targets(train.scenes(idx), shapes, colors), heads)
@@ -436,13 +456,14 @@ def to_pixels(imgs: np.ndarray) -> torch.Tensor:
     return (x - mean) / std
 
 
-def encode_batch(tok: Tokenizer, questions, answers, ids, extra_turns=None, return_turns=False):
+def encode_batch(tok: Tokenizer, questions, answers, ids, extra_turns=None, return_turns=False,
+                 template: str = PROMPT_TEMPLATE):
     """Left-aligned sequences: <s> USER: <image>*144 q... ASSISTANT: answer </s> [USER: q ASSISTANT: a </s>]...;
     loss on every answer + </s>."""
     seqs, labels = [], []
     turns = []  # per sample: [(position of the turn's "ASSISTANT:" token, question)]
     for i, (q, a) in enumerate(zip(questions, answers)):
-        prompt = PROMPT_TEMPLATE.format(question=q).replace("<image>", " ".join(["<image>"] * IMAGE_TOKENS))
+        prompt = template.format(question=q).replace("<image>", " ".join(["<image>"] * IMAGE_TOKENS))
         p_ids = tok.encode(prompt).ids
         a_ids = tok.encode(a, add_special_tokens=False).ids + [ids["</s>"]]
         turns.append([(len(p_ids) - 1, q)])
@@ -468,7 +489,8 @@ def encode_batch(tok: Tokenizer, questions, answers, ids, extra_turns=None, retu
 
 
 @torch.no_grad()
-def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None) -> tuple[float, dict]:
+def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None,
+               template: str = PROMPT_TEMPLATE) -> tuple[float, dict]:
     """Teacher-forced first-answer-token accuracy on a pack (cheap progress signal).
 
     logits_fn(input_ids, attention_mask, images, idx) -> logits replaces the plain
@@ -481,7 +503,7 @@ def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None) 
     for s in range(0, min(n, len(pack)), batch):
         idx = np.arange(s, min(s + batch, n, len(pack)))
         imgs, qs, ans, types = pack.batch(idx)
-        input_ids, attn, lab = encode_batch(tok, qs, ans, ids)
+        input_ids, attn, lab = encode_batch(tok, qs, ans, ids, template=template)
         logits = logits_fn(input_ids, attn, imgs, idx)
         for i in range(len(idx)):
             pos = int((lab[i] != -100).nonzero()[0])
@@ -525,6 +547,10 @@ def main() -> int:
     ap.add_argument("--aux-balanced", action="store_true",
                     help="weight object and background patches equally in the auxiliary loss (the shipped "
                          "model was trained without; see balanced_patch_loss)")
+    ap.add_argument("--init-from", default=None,
+                    help="start from this checkpoint directory instead of random weights (experiments)")
+    ap.add_argument("--balanced-turns", action="store_true",
+                    help="draw the derived turns round-robin by kind (see derived_turns)")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -546,7 +572,15 @@ def main() -> int:
     tok = build_tokenizer(vocab_words)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     config = make_config(tok.get_vocab_size(), ids["<image>"], ids)
-    model = LlavaForConditionalGeneration(config)
+    if args.init_from:
+        # Continue training a checkpoint (an experiment on the step budget; the auxiliary heads
+        # are not saved in a checkpoint, so they start fresh).
+        model = LlavaForConditionalGeneration.from_pretrained(args.init_from)
+        if model.config.to_dict()["text_config"]["vocab_size"] != tok.get_vocab_size():
+            raise SystemExit(f"--init-from {args.init_from}: vocabulary size differs from the generator's")
+        config = model.config
+    else:
+        model = LlavaForConditionalGeneration(config)
     if args.attn_guide_weight > 0:
         model.set_attn_implementation("eager")  # attention probabilities for the guidance loss
     n_params = sum(p.numel() for p in model.parameters())
@@ -580,6 +614,12 @@ def main() -> int:
             os.replace(partial, cache)
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, train, held, shapes, colors, args)
+    # The first stage leaves its last gradients on the tower and heads; the joint stage's first
+    # backward would add to them (and a run that loads the cached stage has none: different weights).
+    model.zero_grad(set_to_none=True)
+    heads.zero_grad(set_to_none=True)
+    if pooled_heads is not None:
+        pooled_heads.zero_grad(set_to_none=True)
     aux_params = list((pooled_heads if pooled_heads is not None else heads).parameters())
     opt = torch.optim.AdamW(list(model.parameters()) + aux_params, lr=args.lr, weight_decay=0.01,
                             betas=(0.9, 0.98))
@@ -596,7 +636,8 @@ def main() -> int:
         batch_idx = order[step * args.batch:(step + 1) * args.batch]
         imgs, qs, ans, _ = train.batch(batch_idx)
         scenes = train.scenes(batch_idx)
-        extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns) for sc in scenes]
+        extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns)
+                  for sc in scenes]
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)
         guide = args.attn_guide_weight > 0

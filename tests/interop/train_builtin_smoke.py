@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""scripts/train_builtin.py end to end at toy size: what it writes loads everywhere.
+
+    VLMOPT_BIN=build/apps/vlmopt/vlmopt python tests/interop/train_builtin_smoke.py
+
+The real run takes most of an hour, so nothing else exercises the script. This
+trains 2 steps at batch 4 (with a 2-step pooled first stage) and checks that
+  - the checkpoint lands in an --out whose parent does not exist yet, with the
+    files the C++ loader and transformers need and a training log that says
+    how many steps ran,
+  - `vlmopt eval` answers with it and transformers' LlavaForConditionalGeneration
+    and AutoProcessor load it,
+  - the run is reproducible from the seed: a second run writes byte-identical
+    weights, and takes its first stage from the cache the first one wrote in --work.
+Exits 1 with one line per failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STEPS, BATCH = 2, 4
+
+
+def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train_builtin.py"), "--vlmopt", vlmopt, "--out", str(out),
+           "--work", str(work), "--steps", str(STEPS), "--batch", str(BATCH), "--threads", "1",
+           "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000"]
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def main() -> int:
+    vlmopt = os.environ.get("VLMOPT_BIN", str(REPO_ROOT / "build" / "apps" / "vlmopt" / "vlmopt"))
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="vlmopt-train-smoke-") as tmp:
+        tmp = Path(tmp)
+        work = tmp / "work"
+        first = tmp / "not" / "yet" / "model"
+        run = train(vlmopt, first, work)
+        if run.returncode != 0:
+            print(f"FAIL first run exited {run.returncode}: {run.stderr.strip().splitlines()[-1:]}")
+            return 1
+        for name in ["config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json",
+                     "processor_config.json", "vlmopt_training.json"]:
+            if not (first / name).is_file():
+                failures.append(f"missing {first / name}")
+        training = json.loads((first / "vlmopt_training.json").read_text())
+        if training.get("steps") != STEPS:
+            failures.append(f"vlmopt_training.json steps: expected {STEPS}, got {training.get('steps')}")
+        if len(training.get("vision_log", [])) == 0:
+            failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
+        leftovers = [p.name for p in first.parent.iterdir() if p.name.startswith(".builtin-")]
+        if leftovers:
+            failures.append(f"temp dirs left next to --out: {leftovers}")
+
+        res = subprocess.run([vlmopt, "-q", "--json", "eval", "--model", str(first), "--data", "builtin:eval",
+                              "--limit", "4"], capture_output=True, text=True)
+        if res.returncode != 0:
+            failures.append(f"vlmopt eval exited {res.returncode}: {res.stderr.strip()[-300:]}")
+        else:
+            report = json.loads(res.stdout)
+            if report.get("n") != 4 or report.get("visual_tokens") != 144:
+                failures.append(f"vlmopt eval: expected n 4 and 144 visual tokens, got {report.get('n')}, "
+                                f"{report.get('visual_tokens')}")
+
+        from transformers import AutoProcessor, LlavaForConditionalGeneration  # noqa: E402
+        try:
+            model = LlavaForConditionalGeneration.from_pretrained(first)
+            processor = AutoProcessor.from_pretrained(first)
+            ids = processor.tokenizer("USER: what color is the circle ? ASSISTANT:")["input_ids"]
+            if processor.tokenizer.unk_token_id in ids:
+                failures.append(f"transformers tokenizer: unknown word in a template question: {ids}")
+            if model.config.image_seq_length != 144:
+                failures.append(f"config image_seq_length: expected 144, got {model.config.image_seq_length}")
+        except Exception as e:  # noqa: BLE001 - any load failure is the finding
+            failures.append(f"transformers could not load {first}: {type(e).__name__}: {e}")
+
+        second = tmp / "again"
+        run2 = train(vlmopt, second, work)
+        if run2.returncode != 0:
+            failures.append(f"second run exited {run2.returncode}: {run2.stderr.strip().splitlines()[-1:]}")
+        else:
+            if "first stage from" not in run2.stderr:
+                failures.append("second run did not take its first stage from the --work cache")
+            if sha256(first / "model.safetensors") != sha256(second / "model.safetensors"):
+                failures.append("same seed, different weights: the run is not reproducible")
+
+    for f in failures:
+        print(f"FAIL {f}")
+    if not failures:
+        print(f"ok: trained {STEPS} steps twice, identical weights; vlmopt eval and transformers load the result")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
