@@ -13,6 +13,10 @@ the calibration pack, like train_builtin.py) every --eval-every steps.
 
     scripts/experiments/decoder_oracle_features.py --vlmopt build/apps/vlmopt/vlmopt \\
         --train WORK/train-28800.h5 --held WORK/calib.h5 [--steps 300 --lr 5e-4]
+        [--template 'USER: {question}\\n<image> ASSISTANT:'] [--balanced-turns] [--curriculum]
+
+Also logs each 25 steps' training first-turn accuracy per question type, so a
+held-out plateau can be told apart from a failure to fit the training batches.
 """
 import argparse
 import json
@@ -62,6 +66,13 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=75)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pooled-masks", action=argparse.BooleanOptionalAction, default=True,
+                    help="label patches with the pooled objective's masks (default; --no-pooled-masks: the "
+                         "per-patch targets, which miss small objects: the session-7 runs)")
+    ap.add_argument("--balanced-turns", action="store_true", help="derived turns drawn round-robin by kind")
+    ap.add_argument("--curriculum", action="store_true",
+                    help="first third of the steps on 1-item scenes, second third on <= 2 items, then all")
+    ap.add_argument("--template", default=tb.PROMPT_TEMPLATE, help="prompt template ({question}, <image>)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -83,9 +94,22 @@ def main() -> int:
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     train, held = tb.Pack(args.train), tb.Pack(args.held)
 
+    def oracle_labels(scenes):
+        """Per-patch labels from the pooled objective's masks (every object covers >= 1 patch).
+
+        train_builtin.patch_targets marks only patches within 0.65 r of an object's centre, so
+        a small object (r 7-9 px) often has no labelled patch at all: it would be invisible here."""
+        if not args.pooled_masks:
+            return tb.patch_targets(scenes, shapes, colors)
+        labels = {k: torch.zeros(len(scenes), tb.GRID * tb.GRID, dtype=torch.long) for k in tb.AUX_HEADS}
+        labels["center"] = tb.patch_targets(scenes, shapes, colors)["center"]
+        for b, mask, head, label in tb.pooled_targets(scenes, shapes, colors):
+            labels[head][b, torch.from_numpy(mask)] = 1 + label
+        return labels
+
     def forward(input_ids, attn, scenes, attentions=False):
         embeds = lm.embed_tokens(input_ids)
-        feats = oracle(tb.patch_targets(scenes, shapes, colors))  # [B, 144, hidden]
+        feats = oracle(oracle_labels(scenes))  # [B, 144, hidden]
         image = input_ids == ids["<image>"]
         embeds = embeds.masked_scatter(image.unsqueeze(-1), feats.to(embeds.dtype))
         out = lm(inputs_embeds=embeds, attention_mask=attn, output_attentions=attentions)
@@ -94,11 +118,22 @@ def main() -> int:
     def held_accuracy(n=256):
         return tb.quick_eval(lm, tok, held, ids, n, 64,
                              logits_fn=lambda input_ids, attn, _imgs, idx: forward(input_ids, attn,
-                                                                                   held.scenes(idx))[0])
+                                                                                   held.scenes(idx))[0],
+                             template=args.template)
 
     rng = np.random.default_rng(args.seed)
     order = rng.permutation(len(train))
+    if args.curriculum:
+        # Few items first: with one object in the scene, pooling every patch already answers a
+        # colour/shape question, so the answer readout can be learned before the lookup.
+        items = np.array([len(m.get("objects", [])) + len(m.get("digits", []))
+                          for m in (json.loads(x) for x in train.meta[:])])
+        third = args.steps * args.batch // 3
+        stages = [order[items[order] <= 1][:third], order[items[order] <= 2][third:2 * third], order]
+        early = np.concatenate(stages[:2])
+        order = np.concatenate([early, order[~np.isin(order, early)]])  # the rest keeps its random order
     t0 = time.time()
+    train_by_type = {}
     for step in range(args.steps):
         lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / args.schedule_steps))
         for g in opt.param_groups:
@@ -106,8 +141,10 @@ def main() -> int:
         idx = order[step * args.batch:(step + 1) * args.batch]
         _, qs, ans, _ = train.batch(idx)
         scenes = train.scenes(idx)
-        extra = [tb.derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns) for sc in scenes]
-        input_ids, attn, lab, turns = tb.encode_batch(tok, qs, ans, ids, extra, return_turns=True)
+        extra = [tb.derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns)
+                 for sc in scenes]
+        input_ids, attn, lab, turns = tb.encode_batch(tok, qs, ans, ids, extra, return_turns=True,
+                                                       template=args.template)
         logits, attentions = forward(input_ids, attn, scenes, attentions=guide)
         answer = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab[:, 1:].flatten(),
                                                    ignore_index=-100)
@@ -119,8 +156,16 @@ def main() -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        # First-turn (the generator's own question) accuracy on this training batch, per type.
+        _, _, _, types = train.batch(idx)
+        for i, t in enumerate(types):
+            pos = int((lab[i] != -100).nonzero()[0])
+            c, n = train_by_type.get(t, (0, 0))
+            train_by_type[t] = (c + int(logits[i, pos - 1].argmax() == lab[i, pos]), n + 1)
         if step % 25 == 0 or step == args.steps - 1:
-            entry = {"step": step, "answer_loss": round(float(answer.detach()), 4), "s": round(time.time() - t0, 1)}
+            entry = {"step": step, "answer_loss": round(float(answer.detach()), 4), "s": round(time.time() - t0, 1),
+                     "train_first_turn_by_type": {k: round(c / n, 2) for k, (c, n) in sorted(train_by_type.items())}}
+            train_by_type.clear()
             if (step % args.eval_every == 0 and step > 0) or step == args.steps - 1:
                 entry["heldout_acc"], entry["by_type"] = held_accuracy()
             print(json.dumps(entry), flush=True)
