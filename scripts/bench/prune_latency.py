@@ -2,7 +2,8 @@
 """Prefill latency of pruning operating points vs unpruned, robust to a noisy machine.
 
 Runs `vlmopt --json bench prefill` for every configuration in turn, --rounds times
-(interleaved, so slow phases of a shared machine hit every configuration), and
+(interleaved, so slow phases of a shared machine hit every configuration, in a
+seeded random order per round, so no configuration always follows another), and
 reports per configuration and batch size the median ms per batch and the median
 over rounds of its ratio to the same round's unpruned run.
 
@@ -16,6 +17,7 @@ fit_0.25_0/, fit_0.5_0_input/ and fit_0.25_0_input/ (--budgets ...,0.5,0.25
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -63,9 +65,15 @@ def main():
     ms = {(name, bs): [] for name in cfgs for bs in sizes}
     vision = {(name, bs): [] for name in cfgs for bs in sizes}  # vision tower + projector alone
     kept = {}
+    order_rng = random.Random(0)
     for r in range(args.rounds):
         for bs in sizes:
-            for name, extra in cfgs.items():
+            # A fresh order each round: a configuration's place in the round must not bias it
+            # (the same plan run right after another measured up to 2 ms slower at batch 1).
+            names = list(cfgs)
+            order_rng.shuffle(names)
+            for name in names:
+                extra = cfgs[name]
                 cmd = [args.vlmopt, "-q", "--json", "bench", "prefill", "--model", args.model, "--samples",
                        str(max(args.samples, bs)), "--batch-size", str(bs), "--repeats", str(args.repeats), *extra]
                 out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
