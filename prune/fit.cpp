@@ -184,20 +184,34 @@ void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index() < 0 ? -1 : device.index());
 }
 
-double median(std::vector<double> values) {
-  VLMOPT_CHECK(!values.empty(), "median of no values");
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 == 1 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
+// Ms per batch of `run_batch` over `batches`: one warm-up pass, then the median over `repeats`
+// timed passes of each pass's mean (the median resists other processes on a shared machine).
+template <typename RunBatch>
+double median_pass_ms(const torch::Device& device, const std::vector<eval::PreparedBatch>& batches, int repeats,
+                      RunBatch&& run_batch) {
+  torch::NoGradGuard no_grad;
+  for (const auto& b : batches) run_batch(b);
+  synchronize(device);
+  std::vector<double> pass_ms;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = Clock::now();
+    for (const auto& b : batches) run_batch(b);
+    synchronize(device);
+    pass_ms.push_back(1000.0 * std::chrono::duration<double>(Clock::now() - start).count() /
+                      static_cast<double>(batches.size()));
+  }
+  std::sort(pass_ms.begin(), pass_ms.end());
+  const size_t n = pass_ms.size();
+  return n % 2 == 1 ? pass_ms[n / 2] : 0.5 * (pass_ms[n / 2 - 1] + pass_ms[n / 2]);
 }
 
-// Prefill ms per batch: the median over `repeats` timed passes (after a warm-up) of each
-// pass's mean (the median resists other processes on a shared machine), and mean visual tokens kept.
+// Prefill ms per batch (median_pass_ms) and the mean visual tokens kept over the timed passes.
 std::pair<double, double> time_prefill(eval::VlmSession& session, const std::vector<eval::PreparedBatch>& batches,
                                        int repeats) {
   auto& m = session.model();
-  torch::NoGradGuard no_grad;
-  const auto run = [&](const eval::PreparedBatch& b) {
+  double kept = 0.0;
+  int64_t runs = 0;
+  const double ms = median_pass_ms(m.device(), batches, repeats, [&](const eval::PreparedBatch& b) {
     model::KVCache cache(m.language_model()->num_layers());
     model::ForwardInputs in;
     in.input_ids = b.input_ids;
@@ -205,42 +219,19 @@ std::pair<double, double> time_prefill(eval::VlmSession& session, const std::vec
     in.pixel_values = b.pixel_values;
     in.cache = &cache;
     in.logits_to_keep = 1;
-    return m.forward(in).logits;
-  };
-  for (const auto& b : batches) run(b);  // warm-up
-  synchronize(m.device());
-  double kept = 0.0;
-  std::vector<double> pass_ms;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = Clock::now();
-    for (const auto& b : batches) {
-      run(b);
-      const auto& report = m.last_prune_report();
-      kept += report.empty() ? static_cast<double>(m.config().image_tokens_per_image()) : report.mean_visual_tokens();
-    }
-    synchronize(m.device());
-    pass_ms.push_back(1000.0 * std::chrono::duration<double>(Clock::now() - start).count() /
-                      static_cast<double>(batches.size()));
-  }
-  return {median(pass_ms), kept / (static_cast<double>(repeats) * static_cast<double>(batches.size()))};
+    m.forward(in);
+    const auto& report = m.last_prune_report();
+    kept += report.empty() ? static_cast<double>(m.config().image_tokens_per_image()) : report.mean_visual_tokens();
+    ++runs;  // warm-up included: every pass runs the same plan on the same batches
+  });
+  return {ms, kept / static_cast<double>(runs)};
 }
 
-// Vision tower + projector alone (the part of a prefill no visual-token pruning can shorten):
-// ms per batch, the median over `repeats` timed passes after a warm-up, as time_prefill.
+// Vision tower + projector alone (the part of a prefill no visual-token pruning can shorten).
 double time_image_features(eval::VlmSession& session, const std::vector<eval::PreparedBatch>& batches, int repeats) {
   auto& m = session.model();
-  torch::NoGradGuard no_grad;
-  for (const auto& b : batches) m.image_features(b.pixel_values);  // warm-up
-  synchronize(m.device());
-  std::vector<double> pass_ms;
-  for (int r = 0; r < repeats; ++r) {
-    const auto start = Clock::now();
-    for (const auto& b : batches) m.image_features(b.pixel_values);
-    synchronize(m.device());
-    pass_ms.push_back(1000.0 * std::chrono::duration<double>(Clock::now() - start).count() /
-                      static_cast<double>(batches.size()));
-  }
-  return median(pass_ms);
+  return median_pass_ms(m.device(), batches, repeats,
+                        [&](const eval::PreparedBatch& b) { m.image_features(b.pixel_values); });
 }
 
 std::vector<eval::PreparedBatch> prepare_batches(eval::VlmSession& session, const datasets::DatasetSource& source,
