@@ -14,6 +14,11 @@ the calibration pack, like train_builtin.py) every --eval-every steps.
     scripts/experiments/decoder_oracle_features.py --vlmopt build/apps/vlmopt/vlmopt \\
         --train WORK/train-28800.h5 --held WORK/calib.h5 [--steps 300 --lr 5e-4]
         [--template 'USER: {question}\\n<image> ASSISTANT:'] [--balanced-turns] [--curriculum]
+        [--aligned [--init-decoder DECODER.safetensors]]
+
+--aligned swaps the learned label tables for the decoder's own word embeddings
+(AlignedOracleFeatures); --init-decoder continues from a decoder that
+decoder_colour_lookup.py --save wrote.
 
 Also logs each 25 steps' training first-turn accuracy per question type, so a
 held-out plateau can be told apart from a failure to fit the training batches.
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -51,6 +57,55 @@ class OracleFeatures(torch.nn.Module):
         return out
 
 
+def save_decoder(path: str, lm, head, oracle) -> None:
+    """Decoder + head + oracle tables (tied tensors are stored once: safetensors' save_model)."""
+    safetensors.torch.save_model(torch.nn.ModuleDict({"lm": lm, "head": head, "oracle": oracle}), path)
+
+
+def load_decoder(path: str, lm, head, oracle) -> None:
+    missing, unexpected = safetensors.torch.load_model(
+        torch.nn.ModuleDict({"lm": lm, "head": head, "oracle": oracle}), path, strict=True)
+    if missing or unexpected:
+        raise SystemExit(f"{path}: missing {missing}, unexpected {unexpected}")
+
+
+def pooled_patch_labels(scenes: list[dict], shapes: list[str], colors: list[str]) -> dict[str, torch.Tensor]:
+    """[B, 144] per-patch labels (1 + class, 0 = background) from the pooled objective's object
+    masks, so every object covers >= 1 patch; "center" from train_builtin.patch_targets."""
+    labels = {k: torch.zeros(len(scenes), tb.GRID * tb.GRID, dtype=torch.long) for k in tb.AUX_HEADS}
+    labels["center"] = tb.patch_targets(scenes, shapes, colors)["center"]
+    for b, mask, head, label in tb.pooled_targets(scenes, shapes, colors):
+        labels[head][b, torch.from_numpy(mask)] = 1 + label
+    return labels
+
+
+class AlignedOracleFeatures(torch.nn.Module):
+    """Language-aligned oracle: a patch's feature is the sum of the decoder's own input
+    embeddings of its attribute words ("red" + "circle" + "small", "five" for a digit box)
+    plus a learned position embedding and a learned object-centre flag. A question word
+    then matches an image token by the same vector, and the answer is a copy of one of
+    its components (the LLaVA idea: the projector maps into the word-embedding space)."""
+
+    def __init__(self, embed: torch.nn.Embedding, word_ids: dict[str, list[int]], hidden: int):
+        super().__init__()
+        self.embed = embed  # shared with the decoder (trained with it)
+        for k, ids_ in word_ids.items():  # label 1 + i -> word ids[i]; 0 (background) -> no word
+            self.register_buffer(f"words_{k}", torch.tensor([0] + ids_, dtype=torch.long), persistent=False)
+        self.keys = list(word_ids)
+        self.center = torch.nn.Embedding(2, hidden)
+        self.position = torch.nn.Embedding(tb.GRID * tb.GRID, hidden)
+        for t in (self.center, self.position):
+            torch.nn.init.normal_(t.weight, std=0.02)
+
+    def forward(self, targets: dict) -> torch.Tensor:
+        out = self.position.weight.unsqueeze(0) + self.center(targets["center"].clamp_min(0))
+        for k in self.keys:
+            label = targets[k].clamp_min(0)
+            words = getattr(self, f"words_{k}")[label]
+            out = out + self.embed(words) * (label > 0).unsqueeze(-1).to(out.dtype)
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vlmopt", required=True)
@@ -72,6 +127,11 @@ def main() -> int:
     ap.add_argument("--balanced-turns", action="store_true", help="derived turns drawn round-robin by kind")
     ap.add_argument("--curriculum", action="store_true",
                     help="first third of the steps on 1-item scenes, second third on <= 2 items, then all")
+    ap.add_argument("--aligned", action="store_true",
+                    help="oracle features are sums of the decoder's word embeddings of the patch's attributes, "
+                         "lm_head tied to them (AlignedOracleFeatures)")
+    ap.add_argument("--init-decoder", default=None,
+                    help="start from decoder_colour_lookup.py --save (same --aligned setting)")
     ap.add_argument("--template", default=tb.PROMPT_TEMPLATE, help="prompt template ({question}, <image>)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -89,8 +149,17 @@ def main() -> int:
     if guide:
         model.set_attn_implementation("eager")
     lm, head = model.model.language_model, model.lm_head
-    oracle = OracleFeatures(config.text_config.hidden_size)
-    params = list(lm.parameters()) + list(head.parameters()) + list(oracle.parameters())
+    if args.aligned:
+        answers = vocab["answers"]
+        word_ids = {k: [tok.token_to_id(w) for w in answers[k]] for k in ("shape", "color", "size", "digit")}
+        oracle = AlignedOracleFeatures(lm.embed_tokens, word_ids, config.text_config.hidden_size)
+        head.weight = lm.embed_tokens.weight  # the answer is a copy of an image token's component
+    else:
+        oracle = OracleFeatures(config.text_config.hidden_size)
+    if args.init_decoder:
+        load_decoder(args.init_decoder, lm, head, oracle)
+    # Unique tensors only (the aligned oracle shares embed_tokens, the tied head shares its weight).
+    params = list({id(p): p for p in [*lm.parameters(), *head.parameters(), *oracle.parameters()]}.values())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
     train, held = tb.Pack(args.train), tb.Pack(args.held)
 
@@ -102,11 +171,7 @@ def main() -> int:
         (18 of the 648 objects of the first 256 calib scenes)."""
         if not args.pooled_masks:
             return tb.patch_targets(scenes, shapes, colors)
-        labels = {k: torch.zeros(len(scenes), tb.GRID * tb.GRID, dtype=torch.long) for k in tb.AUX_HEADS}
-        labels["center"] = tb.patch_targets(scenes, shapes, colors)["center"]
-        for b, mask, head, label in tb.pooled_targets(scenes, shapes, colors):
-            labels[head][b, torch.from_numpy(mask)] = 1 + label
-        return labels
+        return pooled_patch_labels(scenes, shapes, colors)
 
     def forward(input_ids, attn, scenes, attentions=False):
         embeds = lm.embed_tokens(input_ids)
