@@ -21,6 +21,9 @@ scenes drawn from the pack, with replacement across steps).
         --train WORK/train-28800.h5 [--min-objects 2] [--aligned] [--lr 1e-3] [--steps 150]
         [--attn-guide-weight 0.3] [--background-keep 0.1] [--save decoder.safetensors] [--template 'USER: {question}\n<image> ASSISTANT:']
 
+--all-templates trains every lookup direction at once (a decoder pre-stage for
+the full question mix); --min-objects does not apply then.
+
 --background-keep P feeds the decoder only the image tokens of objects and
 digit boxes plus each background patch with probability P, at their original
 RoPE positions (token dropping during training, as FLIP does for CLIP): shorter
@@ -78,6 +81,9 @@ def main() -> int:
     ap.add_argument("--vlmopt", required=True)
     ap.add_argument("--train", required=True)
     ap.add_argument("--min-objects", type=int, default=2, help="1: exactly one object; N > 1: at least N")
+    ap.add_argument("--all-templates", action="store_true",
+                    help="instead of the colour template: one of train_builtin's derived questions per scene "
+                         "(colour, shape, size, position, count, exist, digit lookups; kinds drawn uniformly)")
     ap.add_argument("--aligned", action="store_true", help="word-embedding oracle features, tied lm_head")
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--batch", type=int, default=32)
@@ -121,12 +127,16 @@ def main() -> int:
 
     pack = tb.Pack(args.train)
     scenes_all = [json.loads(x) for x in pack.meta[:args.scan]]
-    if args.min_objects == 1:
+    max_count = len(vocab["answers"]["count"]) - 1
+    if args.all_templates:
+        pool = [i for i, m in enumerate(scenes_all) if m.get("objects")]
+    elif args.min_objects == 1:
         pool = [i for i, m in enumerate(scenes_all) if len(m.get("objects", [])) == 1 and not m.get("digits")]
     else:
         pool = [i for i, m in enumerate(scenes_all)
                 if len(m.get("objects", [])) >= args.min_objects and unique_shape_objects(m)]
-    print(f"[colour-lookup] {len(pool)} scenes (min objects {args.min_objects})", file=sys.stderr)
+    mode = "all templates" if args.all_templates else f"colour template, min objects {args.min_objects}"
+    print(f"[colour-lookup] {len(pool)} scenes ({mode})", file=sys.stderr)
 
     rng = np.random.default_rng(args.seed)
     t0 = time.time()
@@ -134,9 +144,14 @@ def main() -> int:
         for g in opt.param_groups:
             g["lr"] = args.lr * min(1.0, (step + 1) / 20)
         scenes = [scenes_all[i] for i in rng.choice(pool, args.batch, replace=False)]
-        targets = [unique_shape_objects(s)[rng.integers(len(unique_shape_objects(s)))] for s in scenes]
-        questions = [f"what color is the {o['shape']} ?" for o in targets]
-        input_ids, attn, lab, turns = tb.encode_batch(tok, questions, [o["color"] for o in targets], ids,
+        if args.all_templates:
+            # One derived question per scene, its kind drawn uniformly among those the layout answers.
+            qa = [tb.derived_turns(sc, shapes, colors, max_count, rng, 1, balanced=True)[0] for sc in scenes]
+            questions, answers = [q for q, _ in qa], [a for _, a in qa]
+        else:
+            targets = [unique_shape_objects(s)[rng.integers(len(unique_shape_objects(s)))] for s in scenes]
+            questions, answers = [f"what color is the {o['shape']} ?" for o in targets], [o["color"] for o in targets]
+        input_ids, attn, lab, turns = tb.encode_batch(tok, questions, answers, ids,
                                                        return_turns=True, template=args.template)
         patch_labels = dof.pooled_patch_labels(scenes, shapes, colors)
         image = input_ids == ids["<image>"]
@@ -165,7 +180,8 @@ def main() -> int:
             first = [int((row != -100).nonzero()[0]) for row in lab]
             acc = float(np.mean([int(logits[i, p - 1].argmax() == lab[i, p]) for i, p in enumerate(first)]))
             print(json.dumps({"step": step, "answer_loss": round(float(answer.detach()), 3),
-                              "colour_acc": round(acc, 2), "s": round(time.time() - t0)}), flush=True)
+                              "answer_acc" if args.all_templates else "colour_acc": round(acc, 2),
+                              "s": round(time.time() - t0)}), flush=True)
     if args.save:
         dof.save_decoder(args.save, lm, head, oracle)
     return 0
