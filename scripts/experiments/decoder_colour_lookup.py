@@ -52,9 +52,9 @@ def unique_shape_objects(scene: dict) -> list[dict]:
     return [o for o in scene.get("objects", []) if shapes.count(o["shape"]) == 1]
 
 
-def drop_tokens(keep, input_ids, embeds, attn, lab, positions, turns, pad_id):
+def drop_tokens(keep, input_ids, embeds, attn, lab, positions, pad_id):
     """Keeps the tokens where keep [B, T] is true, left-aligned and right-padded; each kept token
-    keeps its original position id. Turn positions (for the guidance loss) are remapped."""
+    keeps its original position id."""
     n = keep.sum(1)
     T = int(n.max())
     out_ids = torch.full((keep.size(0), T), pad_id, dtype=input_ids.dtype)
@@ -62,7 +62,6 @@ def drop_tokens(keep, input_ids, embeds, attn, lab, positions, turns, pad_id):
     out_attn = torch.zeros_like(out_ids)
     out_lab = torch.full_like(out_ids, -100)
     out_pos = torch.zeros_like(out_ids)
-    new_turns = []
     for b in range(keep.size(0)):
         idx = keep[b].nonzero().squeeze(1)
         k = idx.numel()
@@ -71,9 +70,7 @@ def drop_tokens(keep, input_ids, embeds, attn, lab, positions, turns, pad_id):
         out_pos[b, :k] = positions[b, idx]
         # Padding continues the positions (any value works: it is masked out).
         out_pos[b, k:] = positions[b, idx[-1]] + 1 + torch.arange(T - k)
-        remap = {int(old): new for new, old in enumerate(idx)}
-        new_turns.append([(remap[pos], q) for pos, q in turns[b]])
-    return out_ids, out_emb, out_attn, out_lab, out_pos, new_turns
+    return out_ids, out_emb, out_attn, out_lab, out_pos
 
 
 def main() -> int:
@@ -149,7 +146,7 @@ def main() -> int:
             qa = [tb.derived_turns(sc, shapes, colors, max_count, rng, 1, balanced=True)[0] for sc in scenes]
             questions, answers = [q for q, _ in qa], [a for _, a in qa]
         else:
-            targets = [unique_shape_objects(s)[rng.integers(len(unique_shape_objects(s)))] for s in scenes]
+            targets = [objs[rng.integers(len(objs))] for objs in map(unique_shape_objects, scenes)]
             questions, answers = [f"what color is the {o['shape']} ?" for o in targets], [o["color"] for o in targets]
         input_ids, attn, lab, turns = tb.encode_batch(tok, questions, answers, ids,
                                                        return_turns=True, template=args.template)
@@ -162,8 +159,9 @@ def main() -> int:
             keep_patch = foreground | (torch.rand(foreground.shape) < args.background_keep)
             keep = attn.bool().clone()
             keep[image] = keep_patch.flatten()
-            input_ids, embeds, attn, lab, positions, turns = drop_tokens(keep, input_ids, embeds, attn, lab,
-                                                                         positions, turns, ids["<pad>"])
+            # (--attn-guide-weight is refused with dropping: its patch indices assume all 144 tokens.)
+            input_ids, embeds, attn, lab, positions = drop_tokens(keep, input_ids, embeds, attn, lab, positions,
+                                                                  ids["<pad>"])
         out = lm(inputs_embeds=embeds, attention_mask=attn, position_ids=positions, output_attentions=guide)
         logits = head(out.last_hidden_state)
         answer = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), lab[:, 1:].flatten(),
