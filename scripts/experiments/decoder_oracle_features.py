@@ -69,6 +69,22 @@ def load_decoder(path: str, lm, head, oracle) -> None:
         raise SystemExit(f"{path}: missing {missing}, unexpected {unexpected}")
 
 
+def load_symbolic_decoder(path: str, lm, oracle: "AlignedOracleFeatures") -> None:
+    """Decoder weights of decoder_symbolic_scenes.py --save (one token per object, tied head) into
+    this harness's decoder; its row/column embeddings become the per-patch position table."""
+    state = safetensors.torch.load_file(path)
+    prefix = "lm.model."
+    inner = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    if "embed_tokens.weight" not in inner:  # tied: safetensors' save_model kept the head's name only
+        inner["embed_tokens.weight"] = state["lm.lm_head.weight"]
+    missing, unexpected = lm.load_state_dict(inner, strict=False)
+    if missing or unexpected:
+        raise SystemExit(f"{path}: decoder tensors missing {missing}, unexpected {unexpected}")
+    grid = torch.arange(tb.GRID * tb.GRID)
+    with torch.no_grad():
+        oracle.position.weight.copy_(state["row.weight"][grid // tb.GRID] + state["col.weight"][grid % tb.GRID])
+
+
 def pooled_patch_labels(scenes: list[dict], shapes: list[str], colors: list[str]) -> dict[str, torch.Tensor]:
     """[B, 144] per-patch labels (1 + class, 0 = background) from the pooled objective's object
     masks, so every object covers >= 1 patch; "center" from train_builtin.patch_targets."""
@@ -132,6 +148,9 @@ def main() -> int:
                          "lm_head tied to them (AlignedOracleFeatures)")
     ap.add_argument("--init-decoder", default=None,
                     help="start from decoder_colour_lookup.py --save (same --aligned setting)")
+    ap.add_argument("--init-symbolic", default=None,
+                    help="start from decoder_symbolic_scenes.py --save: its decoder, tied embeddings, and "
+                         "row + column embeddings as the patch-position table")
     ap.add_argument("--template", default=tb.PROMPT_TEMPLATE, help="prompt template ({question}, <image>)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -158,6 +177,10 @@ def main() -> int:
         oracle = OracleFeatures(config.text_config.hidden_size)
     if args.init_decoder:
         load_decoder(args.init_decoder, lm, head, oracle)
+    if args.init_symbolic:
+        if not args.aligned:
+            raise SystemExit("--init-symbolic needs --aligned (the symbolic decoder reads word-embedding sums)")
+        load_symbolic_decoder(args.init_symbolic, lm, oracle)
     # Unique tensors only (the aligned oracle shares embed_tokens, the tied head shares its weight).
     params = list({id(p): p for p in [*lm.parameters(), *head.parameters(), *oracle.parameters()]}.values())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))

@@ -4,14 +4,15 @@
     VLMOPT_BIN=build/apps/vlmopt/vlmopt python tests/interop/train_builtin_smoke.py
 
 The real run takes most of an hour, so nothing else exercises the script. This
-trains 2 steps at batch 4 (with a 2-step pooled first stage) and checks that
+trains 2 steps at batch 4 (after a 2-step decoder pre-stage on symbolic scenes and
+a 2-step pooled vision stage with the projector alignment loss) and checks that
   - the checkpoint lands in an --out whose parent does not exist yet, with the
     files the C++ loader and transformers need and a training log that says
     how many steps ran,
   - `vlmopt eval` answers with it and transformers' LlavaForConditionalGeneration
     and AutoProcessor load it,
   - the run is reproducible from the seed: a second run writes byte-identical
-    weights, and takes its first stage from the cache the first one wrote in --work.
+    weights, and takes both first stages from the cache the first one wrote in --work.
 Exits 1 with one line per failure.
 """
 
@@ -35,7 +36,8 @@ STEPS, BATCH = 2, 4
 def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train_builtin.py"), "--vlmopt", vlmopt, "--out", str(out),
            "--work", str(work), "--steps", str(STEPS), "--batch", str(BATCH), "--threads", "1",
-           "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000"]
+           "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
+           "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -63,6 +65,8 @@ def main() -> int:
             failures.append(f"vlmopt_training.json steps: expected {STEPS}, got {training.get('steps')}")
         if len(training.get("vision_log", [])) == 0:
             failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
+        if len(training.get("decoder_prestage_log", [])) == 0:
+            failures.append("vlmopt_training.json: no decoder pre-stage log although --decoder-prestage-steps 2")
         leftovers = [p.name for p in first.parent.iterdir() if p.name.startswith(".builtin-")]
         if leftovers:
             failures.append(f"temp dirs left next to --out: {leftovers}")
@@ -96,6 +100,8 @@ def main() -> int:
         else:
             if "first stage from" not in run2.stderr:
                 failures.append("second run did not take its first stage from the --work cache")
+            if "decoder pre-stage from" not in run2.stderr:
+                failures.append("second run did not take its decoder pre-stage from the --work cache")
             if sha256(first / "model.safetensors") != sha256(second / "model.safetensors"):
                 failures.append("same seed, different weights: the run is not reproducible")
 

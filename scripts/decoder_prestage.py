@@ -1,0 +1,297 @@
+"""Language pre-stage of the builtin model's decoder: symbolic scenes, one token per object.
+
+A real LLaVA starts from a pretrained language model; the builtin model's decoder
+starts from random weights, and on the CPU budget it does not learn to route a
+question to the image patches it names (docs/BENCHMARKS.md, issue 3, sessions
+7-9). This stage teaches it that routing on cheap, short sequences before it
+ever sees an image:
+
+- scenes are sampled here (the generator's shapes, colours, sizes, 96 px canvas,
+  digit boxes, and its eight question kinds with their templates),
+- each object is ONE image token: the sum of the decoder's own input embeddings
+  of its words (colour + shape + size; "box" + digit word for a digit box) plus
+  learned row and column embeddings of its centre patch, placed at that patch's
+  RoPE position inside the 144-token image span, so the question follows at the
+  positions it has in the real prompt,
+- the output head is tied to the input embeddings (answering copies a component
+  of an image token).
+
+A step costs ~0.18 s at batch 64 on 2 cores (sequences of ~25 tokens instead of
+~180). What the stage leaves behind is a decoder that answers from image tokens
+in this word-embedding space and the per-patch position table; the vision tower
+and projector are then trained to produce that space (train_builtin.py
+--align-weight), the LLaVA recipe with the roles of the stages swapped.
+
+Used by scripts/train_builtin.py (--decoder-prestage-steps) and
+scripts/experiments/decoder_symbolic_scenes.py.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CANVAS, PATCH = 96, 8
+GRID = CANVAS // PATCH
+KINDS = ["color", "shape", "count", "exist", "position", "relation", "size", "digit"]
+NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+CLEAR_MARGIN, RELATION_MARGIN = 14, 12  # px, as the generator's position and relation questions
+
+
+def article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+@dataclass
+class SymbolicScenes:
+    """Scene and question sampler over the generator's vocabulary (shapes/colours in its order)."""
+    shapes: list[str]
+    colors: list[str]
+    plurals: dict[str, str]
+
+    def scene(self, rng: np.random.Generator) -> dict:
+        objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
+                 "size": "large" if rng.random() < 0.4 else "small",
+                 "cx": int(rng.integers(8, 88)), "cy": int(rng.integers(8, 88))}
+                for _ in range(int(rng.integers(1, 7)))]
+        boxes = []
+        r = rng.random()
+        if r < 0.3:
+            boxes.append({"label": int(rng.integers(10)), "cx": int(rng.integers(10, 86)), "cy": int(rng.integers(10, 86))})
+        elif r < 0.45:  # two boxes side by side, different digits
+            a, b = sorted(int(x) for x in rng.choice(np.arange(10, 86), 2, replace=False))
+            b = max(b, min(85, a + 16))
+            la = int(rng.integers(10))
+            y = int(rng.integers(10, 86))
+            boxes += [{"label": la, "cx": a, "cy": y}, {"label": (la + 1 + int(rng.integers(9))) % 10, "cx": b, "cy": y}]
+        return {"objects": objs, "boxes": boxes}
+
+    def questions(self, scene: dict) -> dict[str, list[tuple[str, str]]]:
+        """Every (question, answer) the scene answers unambiguously, by kind."""
+        objs, out = scene["objects"], {k: [] for k in KINDS}
+        desc = lambda o: f"{o['color']} {o['shape']}"
+        for s in self.shapes:
+            same = [o for o in objs if o["shape"] == s]
+            if len(same) < len(NUMBERS):
+                out["count"].append((f"how many {self.plurals[s]} are there ?", NUMBERS[len(same)]))
+            out["exist"].append((f"is there {article(s)} {s} ?", "yes" if same else "no"))
+            if len(same) == 1:
+                out["color"].append((f"what color is the {s} ?", same[0]["color"]))
+            if len(same) == 2 and same[0]["size"] != same[1]["size"]:
+                out["color"] += [(f"what color is the {o['size']} {s} ?", o["color"]) for o in same]
+        for c in self.colors:
+            same = [o for o in objs if o["color"] == c]
+            out["count"].append((f"how many {c} objects are there ?", NUMBERS[len(same)]))
+            out["exist"].append((f"is there {article(c)} {c} object ?", "yes" if same else "no"))
+            if len(same) == 1:
+                out["shape"].append((f"what shape is the {c} object ?", same[0]["shape"]))
+        unique = [o for o in objs if sum(desc(x) == desc(o) for x in objs) == 1]
+        for o in unique:
+            out["exist"].append((f"is there {article(desc(o))} {desc(o)} ?", "yes"))
+            out["size"].append((f"is the {desc(o)} small or large ?", o["size"]))
+            if abs(o["cx"] - CANVAS // 2) >= CLEAR_MARGIN:
+                out["position"].append((f"is the {desc(o)} on the left or the right ?",
+                                        "left" if o["cx"] < CANVAS // 2 else "right"))
+            if abs(o["cy"] - CANVAS // 2) >= CLEAR_MARGIN:
+                out["position"].append((f"is the {desc(o)} at the top or the bottom ?",
+                                        "top" if o["cy"] < CANVAS // 2 else "bottom"))
+            for p in unique:
+                if p is o:
+                    continue
+                for rel, d in (("left of", p["cx"] - o["cx"]), ("right of", o["cx"] - p["cx"]),
+                               ("above", p["cy"] - o["cy"]), ("below", o["cy"] - p["cy"])):
+                    if abs(d) >= RELATION_MARGIN:
+                        out["relation"].append((f"is the {desc(o)} {rel} the {desc(p)} ?", "yes" if d > 0 else "no"))
+        # Lures for "no": colour + shape pairs that are absent (the generator's lures share one attribute).
+        absent = [(c, s) for c in self.colors for s in self.shapes
+                  if not any(o["color"] == c and o["shape"] == s for o in objs)]
+        out["exist"] += [(f"is there {article(c)} {c} {s} ?", "no") for c, s in absent[:3]]
+        boxes = scene["boxes"]
+        if len(boxes) == 1:
+            out["digit"].append(("which digit is in the box ?", NUMBERS[boxes[0]["label"]]))
+        if len(boxes) == 2:
+            left, right = sorted(boxes, key=lambda b: b["cx"])
+            out["digit"] += [("which digit is in the left box ?", NUMBERS[left["label"]]),
+                             ("which digit is in the right box ?", NUMBERS[right["label"]])]
+        return out
+
+    def sample(self, rng: np.random.Generator, kinds: list[str]) -> tuple[dict, str, str, str]:
+        """A kind drawn uniformly, then a scene that has a question of that kind."""
+        kind = kinds[rng.integers(len(kinds))]
+        while True:
+            scene = self.scene(rng)
+            cands = self.questions(scene)[kind]
+            if kind == "count":  # the generator balances counts; most attributes are absent otherwise
+                nonzero = [c for c in cands if c[1] != "zero"]
+                cands = nonzero if nonzero and rng.random() < 0.8 else cands
+            if cands:
+                q, a = cands[rng.integers(len(cands))]
+                return scene, kind, q, a
+
+
+def item_words(scene: dict) -> list[tuple[int, list[str]]]:
+    """(centre patch index, words) per object and digit box, raster order of the patches."""
+    items = []
+    patch = lambda x, y: min(y // PATCH, GRID - 1) * GRID + min(x // PATCH, GRID - 1)
+    for o in scene["objects"]:
+        items.append((patch(o["cx"], o["cy"]), [o["color"], o["shape"], o["size"]]))
+    for b in scene["boxes"]:
+        items.append((patch(b["cx"], b["cy"]), ["box", NUMBERS[b["label"]]]))
+    seen, out = set(), []
+    for p, w in sorted(items, key=lambda t: t[0]):
+        if p not in seen:  # two items on one patch: the first keeps it (one token per position)
+            seen.add(p)
+            out.append((p, w))
+    return out
+
+
+def collate(samples, word_id: dict[str, int]) -> dict:
+    """<s> USER: [item tokens at their patch positions] question ASSISTANT: answer </s>, right-padded."""
+    rows = []
+    image_start = 2
+    for scene, kind, q, a in samples:
+        items = item_words(scene)
+        q_ids = [word_id[w] for w in q.split()] + [word_id["ASSISTANT:"]]
+        a_ids = [word_id[w] for w in a.split()] + [word_id["</s>"]]
+        text_start = image_start + GRID * GRID
+        pos = [0, 1] + [image_start + p for p, _ in items] + list(range(text_start, text_start + len(q_ids) + len(a_ids)))
+        ids = [word_id["<s>"], word_id["USER:"]] + [word_id["<pad>"]] * len(items) + q_ids + a_ids
+        prefix = image_start + len(items) + len(q_ids)
+        rows.append((ids, pos, [-100] * prefix + a_ids, items, prefix - 1, kind, a_ids[0]))
+    T, B = max(len(r[0]) for r in rows), len(rows)
+    batch = {"ids": torch.full((B, T), word_id["<pad>"], dtype=torch.long), "pos": torch.zeros(B, T, dtype=torch.long),
+             "labels": torch.full((B, T), -100, dtype=torch.long), "attn": torch.zeros(B, T, dtype=torch.long)}
+    img_b, img_t, img_words, img_patch = [], [], [], []
+    for b, (ids, pos, lab, items, _, _, _) in enumerate(rows):
+        n = len(ids)
+        batch["ids"][b, :n] = torch.tensor(ids)
+        batch["pos"][b, :n] = torch.tensor(pos)
+        batch["pos"][b, n:] = pos[-1] + 1 + torch.arange(T - n)  # masked out; any value works
+        batch["labels"][b, :n] = torch.tensor(lab)
+        batch["attn"][b, :n] = 1
+        for j, (p, words) in enumerate(items):
+            img_b.append(b)
+            img_t.append(image_start + j)
+            img_words.append([word_id[w] for w in words])
+            img_patch.append(p)
+    words = torch.full((len(img_words), 3), -1, dtype=torch.long)
+    for j, w in enumerate(img_words):
+        words[j, :len(w)] = torch.tensor(w)
+    batch.update(img_b=torch.tensor(img_b), img_t=torch.tensor(img_t), img_words=words,
+                 img_patch=torch.tensor(img_patch), answer_pos=torch.tensor([r[4] for r in rows]),
+                 kinds=[r[5] for r in rows], answer=torch.tensor([r[6] for r in rows]))
+    return batch
+
+
+class PositionTable(torch.nn.Module):
+    """Learned row + column embeddings; table() gives the [GRID*GRID, hidden] per-patch vectors."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.row = torch.nn.Embedding(GRID, hidden)
+        self.col = torch.nn.Embedding(GRID, hidden)
+        torch.nn.init.normal_(self.row.weight, std=0.02)
+        torch.nn.init.normal_(self.col.weight, std=0.02)
+
+    def forward(self, patch: torch.Tensor) -> torch.Tensor:
+        return self.row(patch // GRID) + self.col(patch % GRID)
+
+    def table(self) -> torch.Tensor:
+        return self(torch.arange(GRID * GRID))
+
+
+def logits(lm, positions: PositionTable, batch: dict) -> torch.Tensor:
+    """lm: a LlamaModel; the head is tied to its input embeddings. [B, T, vocab]."""
+    embed = lm.get_input_embeddings()
+    x = embed(batch["ids"])
+    if batch["img_words"].numel():
+        w = batch["img_words"]
+        feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"])
+        x = x.index_put((batch["img_b"], batch["img_t"]), feats)
+    h = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"]).last_hidden_state
+    return h @ embed.weight.T
+
+
+def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
+    pred = out[torch.arange(out.size(0)), batch["answer_pos"]].argmax(-1)
+    acc: dict[str, list[int]] = {}
+    for kind, ok in zip(batch["kinds"], (pred == batch["answer"]).tolist()):
+        acc.setdefault(kind, []).append(int(ok))
+    return acc
+
+
+def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dict[str, int], *, steps: int,
+             batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
+             eval_every: int = 250, held: int = 1024, log=print) -> list[dict]:
+    """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
+
+    Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
+    decaying rate would slow the later kinds. Held-out: first-answer-token accuracy per kind on
+    `held` fixed samples (their own seed, disjoint stream)."""
+    kinds = kinds or KINDS
+    params = list(lm.parameters()) + list(positions.parameters())
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    held_rng, rng = np.random.default_rng(10_000 + seed), np.random.default_rng(seed)
+    held_set = [sampler.sample(held_rng, kinds) for _ in range(held)]
+    entries, t0 = [], time.time()
+
+    def evaluate() -> dict:
+        lm.eval()
+        acc: dict[str, list[int]] = {}
+        with torch.no_grad():
+            for i in range(0, len(held_set), 256):
+                b = collate(held_set[i:i + 256], word_id)
+                for k, v in accuracy_by_kind(logits(lm, positions, b), b).items():
+                    acc.setdefault(k, []).extend(v)
+        lm.train()
+        flat = [x for v in acc.values() for x in v]
+        return {"held_overall": round(float(np.mean(flat)), 3) if flat else None,
+                "by_kind": {k: round(float(np.mean(v)), 2) for k, v in sorted(acc.items())}}
+
+    lm.train()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, (step + 1) / warmup)
+        b = collate([sampler.sample(rng, kinds) for _ in range(batch)], word_id)
+        out = logits(lm, positions, b)
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100)
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if (step % eval_every == 0 and step > 0) or step == steps - 1:
+            entry = {"prestage_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
+                     **evaluate()}
+            entries.append(entry)
+            log(json.dumps(entry))
+    opt.zero_grad(set_to_none=True)
+    return entries
+
+
+def aligned_targets(scenes: list[dict], items, embed_weight: torch.Tensor, position_table: torch.Tensor,
+                    word_id: dict[str, int], shapes: list[str], colors: list[str]) -> torch.Tensor:
+    """[B, GRID*GRID, hidden] features the pre-trained decoder reads: every patch its position
+    vector, plus on an object's patches the embeddings of its colour, shape and size words and on a
+    digit box's patches those of "box" and its digit word (as the symbolic image tokens).
+
+    items: train_builtin.pooled_targets(scenes, ...) -- (sample, patch mask, head, label)."""
+    out = position_table.detach().unsqueeze(0).repeat(len(scenes), 1, 1)
+    words = {"shape": shapes, "color": colors, "size": ["small", "large"], "digit": NUMBERS}
+    e = embed_weight.detach()
+    for b, mask, head, label in items:
+        m = torch.from_numpy(mask)
+        out[b, m] += e[word_id[words[head][label]]]
+        if head == "digit":
+            out[b, m] += e[word_id["box"]]
+    return out
+
+
+def alignment_loss(features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error relative to the targets' mean squared norm (scale-free)."""
+    return ((features - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp_min(1e-8)
