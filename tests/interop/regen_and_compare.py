@@ -7,7 +7,7 @@ Checks, per variant of scripts/make_fixtures.py, that a fresh build matches the
 committed one in tests/fixtures: same files, same JSON content, weights
 bitwise equal, integer reference tensors (input_ids, generated_ids, ...) and
 pixel_values equal, float outputs (logits, hidden states, image features)
-within 1e-5. Exits 1 with one line per mismatch, else prints a one-line summary.
+within 1e-5 + 1e-5 * |value| (torch.allclose's form). Exits 1 with one line per mismatch, else prints a one-line summary.
 
 Then, if VLMOPT_TESTS_BIN is set, runs
 `$VLMOPT_TESTS_BIN --source-file=*test_model_parity.cpp` with
@@ -31,7 +31,10 @@ import make_fixtures  # noqa: E402  (sets the offline/CPU environment before tra
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-FLOAT_ATOL = 1e-5
+# The same wheel takes different SIMD kernels on different CPUs (AVX-512 on the Intel
+# hosts, AVX2 on the AMD ones), which reassociates sums: the committed fixtures,
+# written on AMD, come back within 1.3e-05 on Intel where |logits| is a few units.
+FLOAT_ATOL, FLOAT_RTOL = 1e-5, 1e-5
 # Inputs are drawn from seeded generators and must match exactly.
 EXACT_REFERENCE = {"pixel_values", "input_ids", "attention_mask", "generated_ids"}
 # Metadata that may legitimately differ when the installed versions differ
@@ -72,8 +75,9 @@ def compare_tensors(where: str, want: dict, got: dict, exact: bool, errors: list
             continue
         diff = (a - b).abs().max().item() if a.numel() else 0.0
         worst = max(worst, diff)
-        if not diff <= FLOAT_ATOL:  # also catches NaN
-            errors.append(f"{where}: {name} max |diff| {diff:.3g} (expected <= {FLOAT_ATOL})")
+        excess = ((a - b).abs() - FLOAT_RTOL * a.abs()).max().item() if a.numel() else 0.0
+        if not excess <= FLOAT_ATOL:  # also catches NaN
+            errors.append(f"{where}: {name} max |diff| {diff:.3g} (expected <= {FLOAT_ATOL} + {FLOAT_RTOL} * |value|)")
     return worst
 
 
