@@ -264,11 +264,15 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
 
   // Scrambled image features leave the text without a place to look: the
   // text->visual attention spreads out, most clearly in the row that predicts
-  // the answer (last_tau_align), while the clean model's guided layer focuses
-  // on the asked-about object. Measured on the clean model (24 samples): last_tau_align
-  // max 3.63 nats, tau_align max 4.62, topk_mass min 0.31; shuffled: last_tau_align
-  // min 4.52, tau_align min 4.65, topk_mass max 0.27.
-  const std::vector<std::string> gates = {"last_tau_align>4.0:10%", "tau_align>4.6:10%", "topk_mass<0.29:10%"};
+  // the answer (last_tau_align), and less of it lands on the image, while the
+  // clean model's answer row focuses on the asked-about object. Measured on the
+  // session-10 model (96 samples of builtin:eval; quantiles 10/50/90 %): last_tau_align
+  // clean 0.12/0.25/0.44 nats vs shuffled 0.28/0.51/0.95; attn_mass clean
+  // 0.56/0.65/0.72 vs shuffled 0.50/0.56/0.64; topk_mass clean 0.992/0.998/1.000
+  // vs shuffled 0.968/0.986/0.996. On the 24 samples below the gates count 1, 0, 0
+  // clean and 8, 7, 13 shuffled samples. (The session-2 model, which had not
+  // learned to route, separated on entropy at ~4 nats instead.)
+  const std::vector<std::string> gates = {"last_tau_align>0.6:10%", "attn_mass<0.53:10%", "topk_mass<0.985:10%"};
   const auto run = [&](const fs::path& model, const std::string& out) {
     align::DiagnoseOptions o;
     o.session.model = model.string();
