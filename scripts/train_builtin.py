@@ -32,9 +32,9 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count; stages 1 and 2 are cached in --work
-(safetensors), and a cached stage gives byte-identical weights. On 2 idle cores
-the stages take ~8.7, ~8.1 and ~5.7 minutes (~23 minutes with packing and the
-held-out checks, 2026-12-01). Writes the checkpoint atomically (temp dir + rename).
+(safetensors), and a cached stage gives byte-identical weights. On 2 cores the
+stages took 8.9, 7.7 and 5.4 minutes, 22 min 9 s end to end with packing and
+the held-out checks (2026-12-01, the shipped model). Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -568,7 +568,7 @@ def main() -> int:
                          "steps (0 = off)")
     ap.add_argument("--vision-objective", choices=["pooled", "patch"], default="pooled",
                     help="vision-tower auxiliary loss (first stage and joint stage): per object/box on the mean of "
-                         "its patch features (shipped), or per patch (the session-2 model's recipe)")
+                         "its patch features (shipped), or per patch (the 900-step model's recipe, 16e7112)")
     ap.add_argument("--vision-batch", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=3e-3)
     ap.add_argument("--aux-balanced", action="store_true",
