@@ -715,6 +715,7 @@ def main() -> int:
         batch_idx = order[step * args.batch:(step + 1) * args.batch]
         imgs, qs, ans, _ = train.batch(batch_idx)
         scenes = train.scenes(batch_idx)
+        items = pooled_targets(scenes, shapes, colors)  # object/box masks: the pooled and align losses share them
         extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns)
                   for sc in scenes]
                  if args.extra_turns > 0 else None)
@@ -731,7 +732,7 @@ def main() -> int:
             loss = loss + args.attn_guide_weight * aux_losses["attn"]
         if args.aux_weight > 0 and pooled_heads is not None:
             # Keep the first stage's objective on: the answer loss alone drifts the features.
-            pooled, pooled_acc = pooled_losses(tap.value[:, 1:, :], pooled_targets(scenes, shapes, colors),
+            pooled, pooled_acc = pooled_losses(tap.value[:, 1:, :], items,
                                                pooled_heads)
             aux_losses.update(pooled)
             aux_fg_acc.update({k: round(a, 3) for k, (a, _) in pooled_acc.items()})
@@ -749,7 +750,7 @@ def main() -> int:
             patch_losses = [v for k, v in aux_losses.items() if k in AUX_HEADS]
             loss = loss + args.aux_weight * sum(patch_losses) / len(patch_losses)
         if args.align_weight > 0:
-            aux_losses["align"] = align(tap.value[:, 1:, :], scenes, pooled_targets(scenes, shapes, colors))
+            aux_losses["align"] = align(tap.value[:, 1:, :], scenes, items)
             loss = loss + args.align_weight * aux_losses["align"]
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}")
