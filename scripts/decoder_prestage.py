@@ -22,7 +22,9 @@ in this word-embedding space and the per-patch position table; the vision tower
 and projector are then trained to produce that space (train_builtin.py
 --align-weight), the LLaVA recipe with the roles of the stages swapped.
 
-Used by scripts/train_builtin.py (--decoder-prestage-steps) and
+Used by scripts/train_builtin.py (--decoder-prestage-steps; SymbolicScenes.questions over a
+real scene's layout, scene_from_meta, also gives its joint stage's extra turns; aligned_targets
+and readout_loss tie the projector to this stage's input space) and
 scripts/experiments/decoder_symbolic_scenes.py.
 """
 from __future__ import annotations
@@ -38,7 +40,7 @@ CANVAS, PATCH = 96, 8
 GRID = CANVAS // PATCH
 KINDS = ["color", "shape", "count", "exist", "position", "relation", "size", "digit"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-CLEAR_MARGIN, RELATION_MARGIN = 14, 12  # px, as the generator's position and relation questions
+CLEAR_MARGIN = 14  # px from the centre line, as the generator's position questions
 
 
 def article(word: str) -> str:
@@ -51,6 +53,18 @@ class SymbolicScenes:
     shapes: list[str]
     colors: list[str]
     plurals: dict[str, str]
+    # Also the "which digit is next to the X ?" layout (next_to_scene). Off in the shipped recipe:
+    # 3000 steps did not learn the two-hop lookup and the rest formed later (session 11).
+    next_to: bool = False
+    # px between centres for a relation question. The generator asks at >= 16 (what the joint
+    # stage's derived turns use); the pre-stage samples at >= 12, as unambiguous, because those
+    # are the draws its shipped weights came from: with 16 (and single-object sized colour
+    # questions) the draws change, and in that run colour routing had not formed by step 3000
+    # (0.41 vs 0.95; docs/BENCHMARKS.md, session 11).
+    relation_margin: int = 12
+    # "what color is the large X ?" also when there is a single X (the generator asks it; the
+    # pre-stage's draws have it only for two X of different sizes, see relation_margin).
+    sized_color_singles: bool = False
 
     def scene(self, rng: np.random.Generator) -> dict:
         objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
@@ -67,7 +81,31 @@ class SymbolicScenes:
             la = int(rng.integers(10))
             y = int(rng.integers(10, 86))
             boxes += [{"label": la, "cx": a, "cy": y}, {"label": (la + 1 + int(rng.integers(9))) % 10, "cx": b, "cy": y}]
+        elif r < 0.6 and self.next_to:
+            return self.next_to_scene(rng)
         return {"objects": objs, "boxes": boxes}
+
+    def next_to_scene(self, rng: np.random.Generator) -> dict:
+        """The generator's "which digit is next to the X ?" layout: two small objects far apart,
+        each with a digit box beside it (box centre ~24 px away along one axis, the box's side
+        drawn at random), and nothing else."""
+        while True:
+            objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
+                     "size": "small", "cx": int(rng.integers(10, 86)), "cy": int(rng.integers(10, 86))} for _ in range(2)]
+            if (objs[0]["shape"], objs[0]["color"]) == (objs[1]["shape"], objs[1]["color"]):
+                continue
+            boxes = []
+            for o in objs:
+                dx, dy = [(24, 0), (-24, 0), (0, 24), (0, -24)][rng.integers(4)]
+                slide = int(rng.integers(-4, 5))
+                boxes.append({"label": int(rng.integers(10)), "anchor": len(boxes),
+                              "cx": o["cx"] + dx + (slide if dy else 0), "cy": o["cy"] + dy + (slide if dx else 0)})
+            centres = [(o["cx"], o["cy"]) for o in objs] + [(b["cx"], b["cy"]) for b in boxes]
+            dist = lambda a, b: float(np.hypot(a[0] - b[0], a[1] - b[1]))
+            if (all(15 <= c <= 81 for xy in centres[2:] for c in xy) and dist(centres[0], centres[1]) >= 56
+                    and dist(centres[3], centres[0]) >= 36 and dist(centres[2], centres[1]) >= 36
+                    and boxes[0]["label"] != boxes[1]["label"]):
+                return {"objects": objs, "boxes": boxes}
 
     def questions(self, scene: dict) -> dict[str, list[tuple[str, str]]]:
         """Every (question, answer) the scene answers unambiguously, by kind."""
@@ -80,7 +118,8 @@ class SymbolicScenes:
             out["exist"].append((f"is there {article(s)} {s} ?", "yes" if same else "no"))
             if len(same) == 1:
                 out["color"].append((f"what color is the {s} ?", same[0]["color"]))
-            if len(same) == 2 and same[0]["size"] != same[1]["size"]:
+            sized_pair = len(same) == 2 and same[0]["size"] != same[1]["size"]
+            if sized_pair or (len(same) == 1 and self.sized_color_singles):
                 out["color"] += [(f"what color is the {o['size']} {s} ?", o["color"]) for o in same]
         for c in self.colors:
             same = [o for o in objs if o["color"] == c]
@@ -103,7 +142,7 @@ class SymbolicScenes:
                     continue
                 for rel, d in (("left of", p["cx"] - o["cx"]), ("right of", o["cx"] - p["cx"]),
                                ("above", p["cy"] - o["cy"]), ("below", o["cy"] - p["cy"])):
-                    if abs(d) >= RELATION_MARGIN:
+                    if abs(d) >= self.relation_margin:
                         out["relation"].append((f"is the {desc(o)} {rel} the {desc(p)} ?", "yes" if d > 0 else "no"))
         # Lures for "no": colour + shape pairs that are absent (the generator's lures share one attribute).
         absent = [(c, s) for c in self.colors for s in self.shapes
@@ -112,7 +151,10 @@ class SymbolicScenes:
         boxes = scene["boxes"]
         if len(boxes) == 1:
             out["digit"].append(("which digit is in the box ?", NUMBERS[boxes[0]["label"]]))
-        if len(boxes) == 2:
+        if len(boxes) == 2 and "anchor" in boxes[0]:
+            out["digit"] += [(f"which digit is next to the {desc(objs[b['anchor']])} ?", NUMBERS[b["label"]])
+                             for b in boxes]
+        elif len(boxes) == 2:
             left, right = sorted(boxes, key=lambda b: b["cx"])
             out["digit"] += [("which digit is in the left box ?", NUMBERS[left["label"]]),
                              ("which digit is in the right box ?", NUMBERS[right["label"]])]
@@ -130,6 +172,28 @@ class SymbolicScenes:
             if cands:
                 q, a = cands[rng.integers(len(cands))]
                 return scene, kind, q, a
+
+
+def scene_from_meta(meta: dict) -> dict:
+    """A generator scene (an HDF5 pack's meta: objects with centres, digit boxes by corner and
+    side) as a symbolic scene. Two boxes that each touch a different object (gap <= 8 px: the
+    generator leaves 1-3 px to the object's rotated outline, and >= 12 px to the other one) are the
+    "next to" layout and get their object as anchor; any other two boxes are the left/right layout."""
+    objs = [{k: o[k] for k in ("shape", "color", "size", "cx", "cy")} for o in meta.get("objects", [])]
+    boxes = [{"label": int(d["label"]), "cx": d["x"] + d["side"] / 2, "cy": d["y"] + d["side"] / 2}
+             for d in meta.get("digits", [])]
+    if len(boxes) == 2 and meta.get("objects"):
+        def touching(d) -> int | None:
+            gaps = [max(d["x"] - o["cx"] - o["radius"], o["cx"] - o["radius"] - d["x"] - d["side"],
+                        d["y"] - o["cy"] - o["radius"], o["cy"] - o["radius"] - d["y"] - d["side"])
+                    for o in meta["objects"]]
+            j = int(np.argmin(gaps))
+            return j if gaps[j] <= 8 else None
+        anchors = [touching(d) for d in meta["digits"]]
+        if None not in anchors and anchors[0] != anchors[1]:
+            for b, a in zip(boxes, anchors):
+                b["anchor"] = a
+    return {"objects": objs, "boxes": boxes}
 
 
 def item_words(scene: dict) -> list[tuple[int, list[str]]]:
@@ -186,21 +250,50 @@ def collate(samples, word_id: dict[str, int]) -> dict:
     return batch
 
 
-class PositionTable(torch.nn.Module):
-    """Learned row + column embeddings; table() gives the [GRID*GRID, hidden] per-patch vectors."""
+SIDE_SCALE = 12.0  # px: the side component saturates this far from the centre line (questions need >= 14)
 
-    def __init__(self, hidden: int):
+
+def side_coefficients(patch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Horizontal and vertical side of a patch's centre, each in [-1, 1] (negative = left / top).
+
+    Half a saturating sign (position questions: left or right of the centre line) and half a
+    linear ramp (relation questions compare two objects' ramps)."""
+    centre = lambda i: (i.float() * PATCH + (PATCH - 1) / 2.0 - CANVAS / 2)
+    x, y = centre(patch % GRID), centre(patch // GRID)
+    coef = lambda d: 0.5 * (d / SIDE_SCALE).clamp(-1, 1) + 0.5 * d / (CANVAS / 2)
+    return coef(x), coef(y)
+
+
+class PositionTable(torch.nn.Module):
+    """Per-patch position vectors [GRID*GRID, hidden] (table()) for the symbolic image tokens.
+
+    Learned row + column embeddings; with side_words (token ids of "left", "right", "top",
+    "bottom"), also the patch's side in the word-embedding space: h * (e_right - e_left) +
+    v * (e_bottom - e_top) (side_coefficients). A position question then reads the side the way a
+    colour question reads the colour word: copied out of the token through the tied head.
+    Off in the shipped recipe: it slowed the routing (0.585 vs 0.785 held-out at step 3000, with
+    --next-to) and position stayed at 0.65 (docs/BENCHMARKS.md, session 11)."""
+
+    def __init__(self, hidden: int, side_words: tuple[int, int, int, int] | None = None):
         super().__init__()
         self.row = torch.nn.Embedding(GRID, hidden)
         self.col = torch.nn.Embedding(GRID, hidden)
         torch.nn.init.normal_(self.row.weight, std=0.02)
         torch.nn.init.normal_(self.col.weight, std=0.02)
+        self.side_words = side_words
 
-    def forward(self, patch: torch.Tensor) -> torch.Tensor:
-        return self.row(patch // GRID) + self.col(patch % GRID)
+    def forward(self, patch: torch.Tensor, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.row(patch // GRID) + self.col(patch % GRID)
+        if self.side_words is not None:
+            if embed_weight is None:
+                raise ValueError("PositionTable with side_words needs the decoder's embedding weight")
+            left, right, top, bottom = (embed_weight[i] for i in self.side_words)
+            h, v = side_coefficients(patch)
+            out = out + h.unsqueeze(-1) * (right - left) + v.unsqueeze(-1) * (bottom - top)
+        return out
 
-    def table(self) -> torch.Tensor:
-        return self(torch.arange(GRID * GRID))
+    def table(self, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
+        return self(torch.arange(GRID * GRID), embed_weight)
 
 
 def logits(lm, positions: PositionTable, batch: dict) -> torch.Tensor:
@@ -209,7 +302,7 @@ def logits(lm, positions: PositionTable, batch: dict) -> torch.Tensor:
     x = embed(batch["ids"])
     if batch["img_words"].numel():
         w = batch["img_words"]
-        feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"])
+        feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"], embed.weight)
         x = x.index_put((batch["img_b"], batch["img_t"]), feats)
     h = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"]).last_hidden_state
     return h @ embed.weight.T
@@ -295,3 +388,38 @@ def aligned_targets(scenes: list[dict], items, embed_weight: torch.Tensor, posit
 def alignment_loss(features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean squared error relative to the targets' mean squared norm (scale-free)."""
     return ((features - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp_min(1e-8)
+
+
+def item_means(feats: torch.Tensor, rows) -> torch.Tensor:
+    """[R, hidden]: per row (sample index, [GRID*GRID] bool patch mask, label) the mean of that
+    sample's feats [B, GRID*GRID, hidden] over the mask's patches."""
+    masks = torch.from_numpy(np.stack([m for _, m, _ in rows]).astype(np.float32))  # [R, P]
+    masks = masks / masks.sum(1, keepdim=True).clamp_min(1.0)
+    return torch.einsum("rp,rph->rh", masks, feats[torch.tensor([b for b, _, _ in rows])])
+
+
+# Logit scale of the readout: word embeddings have norm ~1 after the pre-stage, so plain dot
+# products differ by ~0.1-1 between words and the loss could only fall by growing the features
+# away from the aligned targets (session 11: digit logits spread 0.12, loss stuck at chance).
+READOUT_SCALE = 10.0
+
+
+def readout_loss(projected: torch.Tensor, items, embed_weight: torch.Tensor, word_id: dict[str, int],
+                 shapes: list[str], colors: list[str]) -> torch.Tensor:
+    """Cross-entropy of reading each object's colour, shape and size word and each box's digit word
+    out of the mean of its projected patch features [B, GRID*GRID, hidden] through the decoder's
+    (tied, frozen here) embeddings, among the words of that attribute: the read the pre-staged
+    decoder does with attention on the item and its tied head.
+
+    The alignment loss is a mean over all patches, ~90 % background, and measures the whole vector;
+    this one weighs every item equally and only the component that tells its words apart."""
+    words = {"shape": shapes, "color": colors, "size": ["small", "large"], "digit": NUMBERS}
+    e = embed_weight.detach()
+    terms = []
+    for head, vocab in words.items():
+        rows = [(b, m, y) for b, m, h, y in items if h == head]
+        if not rows:
+            continue
+        logits = READOUT_SCALE * item_means(projected, rows) @ e[torch.tensor([word_id[w] for w in vocab])].T
+        terms.append(torch.nn.functional.cross_entropy(logits, torch.tensor([y for _, _, y in rows])))
+    return torch.stack(terms).mean() if terms else projected.new_zeros(())

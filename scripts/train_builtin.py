@@ -15,30 +15,37 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
         [--steps 300] [--batch 32] [--seed 0] [--work DIR]
 
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
-(docs/BENCHMARKS.md, builtin model, session 10):
+(docs/BENCHMARKS.md, builtin model, sessions 10 and 11):
 
 1. decoder pre-stage (scripts/decoder_prestage.py, 3000 steps): the decoder alone
    on symbolic scenes, each object one token made of its words' embeddings. This
    is where it learns to route a question to the object it names, which it did
    not learn from images within any CPU budget tried;
-2. vision stage (1000 steps): the tower on pooled per-object labels (shape,
-   colour, size, digit), and the projector pulled onto the pre-staged decoder's
-   symbolic tokens patch by patch (--align-weight);
-3. joint stage (300 steps): everything on the answers, with both stage-2 losses
+2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
+   digits than the joint stage's 9600): the tower on pooled per-object labels
+   (shape, colour, size, digit); the projector pulled onto the pre-staged
+   decoder's symbolic tokens patch by patch (--align-weight), and each object's
+   and box's words read out of its mean projected feature through the decoder's
+   embeddings (--readout-weight: without it the projected box features carried
+   the digit at chance although the tower had it);
+3. joint stage (300 steps): everything on the answers, with the stage-2 losses
    kept on, and extra question/answer turns per image derived from the scene
-   layout with the generator's templates (the first turn is always the
-   generator's own question, in exactly the evaluation format).
+   layout with the generator's templates, drawn round-robin by kind (the first
+   turn is always the generator's own question, in exactly the evaluation format).
 
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count; stages 1 and 2 are cached in --work
-(safetensors), and a cached stage gives byte-identical weights. On 2 cores the
-stages took 8.9, 7.7 and 5.4 minutes, 22 min 9 s end to end with packing and
-the held-out checks (2026-12-01, the shipped model). Writes the checkpoint atomically (temp dir + rename).
+(safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
+cached stage gives byte-identical weights. On 2 cores the stages take about
+8.9, 9.1 and 6 minutes, ~24 min end to end with packing (~15 s) and the
+held-out checks (2026-12-01: stages 2 and 3 took 14 min 57 s wall in a run
+from the cached pre-stage, whose fresh run took 531 s; docs/BENCHMARKS.md). Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -167,57 +174,30 @@ def patch_targets(scenes: list[dict], shapes: list[str], colors: list[str]) -> d
 # further turns ("... ASSISTANT: a1 </s> USER: q2 ASSISTANT: a2 </s> ...")
 # multiplies the answer supervision per image for ~10 tokens each, while the
 # first turn stays exactly the evaluation format. Only questions whose answer
-# is unambiguous from the layout are derived (unique referents, clear margins).
-NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+# is unambiguous from the layout are derived (unique referents, clear margins):
+# the decoder pre-stage's question list (decoder_prestage.SymbolicScenes.questions),
+# all eight kinds, over the scene's layout.
+NUMBER_WORDS = decoder_prestage.NUMBERS
 SHAPE_PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars", "cross": "crosses"}
-CLEAR_MARGIN = 14  # px from the centre line, as the generator's position questions
-
-
-def article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
 
 
 def derived_turns(scene: dict, shapes: list[str], colors: list[str], max_count: int,
                   rng: np.random.Generator, k: int, balanced: bool = False) -> list[tuple[str, str]]:
     """K (question, answer) turns drawn from every question the layout answers unambiguously.
 
-    Uniformly over candidates (the shipped recipe), ~3/4 of them are counts or
+    Uniformly over candidates (the shipped recipe), most of them are counts or
     existence checks of absent attributes ("zero"/"no"), which the language prior
-    answers; `balanced` draws the kinds round-robin (colour, shape, size, position,
-    count, exist-yes, exist-no, digit) so the lookups that need the image dominate."""
-    objs = scene.get("objects", [])
+    answers; `balanced` draws the kinds round-robin (exist split into yes and no)
+    so the lookups that need the image dominate."""
+    by_kind = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, relation_margin=16,
+                                              sized_color_singles=True).questions(
+        decoder_prestage.scene_from_meta(scene))
     cands: list[tuple[str, str, str]] = []  # (kind, question, answer)
-    by_shape = {s: [o for o in objs if o["shape"] == s] for s in shapes}
-    by_color = {c: [o for o in objs if o["color"] == c] for c in colors}
-    exist = lambda q, found: cands.append(("exist-yes" if found else "exist-no", q, "yes" if found else "no"))
-    for s, os_ in by_shape.items():
-        if len(os_) <= max_count:
-            cands.append(("count", f"how many {SHAPE_PLURALS[s]} are there ?", NUMBER_WORDS[len(os_)]))
-        exist(f"is there {article(s)} {s} ?", bool(os_))
-        if len(os_) == 1:
-            cands.append(("color", f"what color is the {s} ?", os_[0]["color"]))
-    for c, os_ in by_color.items():
-        if len(os_) <= max_count:
-            cands.append(("count", f"how many {c} objects are there ?", NUMBER_WORDS[len(os_)]))
-        exist(f"is there {article(c)} {c} object ?", bool(os_))
-        if len(os_) == 1:
-            cands.append(("shape", f"what shape is the {c} object ?", os_[0]["shape"]))
-    for o in objs:
-        desc = f"{o['color']} {o['shape']}"
-        if sum(1 for x in objs if x["color"] == o["color"] and x["shape"] == o["shape"]) != 1:
-            continue
-        exist(f"is there {article(desc)} {desc} ?", True)
-        cands.append(("size", f"is the {desc} small or large ?", o["size"]))
-        centre = 48
-        if abs(o["cx"] - centre) >= CLEAR_MARGIN:
-            cands.append(("position", f"is the {desc} on the left or the right ?",
-                          "left" if o["cx"] < centre else "right"))
-        if abs(o["cy"] - centre) >= CLEAR_MARGIN:
-            cands.append(("position", f"is the {desc} at the top or the bottom ?",
-                          "top" if o["cy"] < centre else "bottom"))
-    digits = scene.get("digits", [])
-    if len(digits) == 1:
-        cands.append(("digit", "which digit is in the box ?", NUMBER_WORDS[int(digits[0]["label"])]))
+    for kind, qas in by_kind.items():
+        for q, a in qas:
+            if kind == "count" and NUMBER_WORDS.index(a) > max_count:
+                continue
+            cands.append((f"exist-{a}" if kind == "exist" else kind, q, a))
     if not cands or k <= 0:
         return []
     if balanced:
@@ -401,10 +381,7 @@ def pooled_losses(feats: torch.Tensor, items, heads) -> tuple[dict, dict]:
         rows = [(b, m, y) for b, m, h, y in items if h == name]
         if not rows:
             continue
-        masks = torch.from_numpy(np.stack([m for _, m, _ in rows]).astype(np.float32))  # [R, P]
-        masks = masks / masks.sum(1, keepdim=True).clamp_min(1.0)
-        sel = feats[torch.tensor([b for b, _, _ in rows])]  # [R, P, hidden]
-        logits = heads[name](torch.einsum("rp,rph->rh", masks, sel))
+        logits = heads[name](decoder_prestage.item_means(feats, rows))
         labels = torch.tensor([y for _, _, y in rows])
         losses[name] = torch.nn.functional.cross_entropy(logits, labels)
         accs[name] = (float((logits.detach().argmax(-1) == labels).float().mean()), len(rows))
@@ -420,9 +397,9 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     """First stage, pooled objective: the vision tower alone, half of every batch
     from the scenes with digit boxes (1 in 8 scenes otherwise).
 
-    align(features [B, 144, hidden], scenes, items) -> loss, if given, adds the projector's
-    alignment to the pre-trained decoder's input space (weight args.align_weight); the
-    projector then trains here too."""
+    align(features [B, 144, hidden], scenes, items) -> {name: loss}, if given, adds the projector's
+    alignment to the pre-trained decoder's input space ("align", weight args.align_weight; and
+    "readout", weight args.readout_weight); the projector then trains here too."""
     tower = model.model.vision_tower
     params = list(tower.parameters()) + list(heads.parameters())
     if align is not None:
@@ -448,8 +425,9 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         losses, accs = pooled_losses(tap.value[:, 1:, :], items, heads)
         loss = sum(losses.values()) / len(losses)
         if align is not None:
-            losses["align"] = align(tap.value[:, 1:, :], scenes, items)
-            loss = loss + args.align_weight * losses["align"]
+            aligned = align(tap.value[:, 1:, :], scenes, items)
+            losses.update(aligned)
+            loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -462,12 +440,17 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
                                              heads)
                 tower.train()
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
-                     **({"align": round(float(losses["align"].detach()), 4)} if align is not None else {}),
+                     **{k: round(float(losses[k].detach()), 4) for k in ("align", "readout") if k in losses},
                      "heldout_pooled_acc": {k: round(a, 3) for k, (a, _) in held_accs.items()},
                      "heldout_items": {k: n for k, (_, n) in held_accs.items()}}
             log.append(entry)
             print(f"[train] {json.dumps(entry)}", file=sys.stderr, flush=True)
     return log
+
+
+def aligned_weight(args, name: str) -> float:
+    """Loss weight of an entry of align()'s result."""
+    return {"align": args.align_weight, "readout": args.readout_weight}[name]
 
 
 def to_pixels(imgs: np.ndarray) -> torch.Tensor:
@@ -576,13 +559,26 @@ def main() -> int:
                          "(see balanced_patch_loss)")
     ap.add_argument("--init-from", default=None,
                     help="start from this checkpoint directory instead of random weights (experiments)")
-    ap.add_argument("--balanced-turns", action="store_true",
-                    help="draw the derived turns round-robin by kind (see derived_turns)")
+    ap.add_argument("--balanced-turns", action=argparse.BooleanOptionalAction, default=True,
+                    help="draw the derived turns round-robin by kind (see derived_turns); uniformly over all "
+                         "candidates, relation questions (every pair, four relations) would crowd out the rest")
     ap.add_argument("--decoder-prestage-steps", type=int, default=3000,
                     help="first train the decoder alone on symbolic scenes, one token per object (see "
                          "scripts/decoder_prestage.py; 0 = off)")
     ap.add_argument("--decoder-prestage-batch", type=int, default=64)
     ap.add_argument("--decoder-prestage-lr", type=float, default=1e-3)
+    ap.add_argument("--readout-weight", type=float, default=1.0,
+                    help="weight of the loss reading each object's and box's words out of its mean projected "
+                         "feature through the decoder's embeddings (decoder_prestage.readout_loss; with "
+                         "--align-weight)")
+    ap.add_argument("--prestage-side-words", action=argparse.BooleanOptionalAction, default=False,
+                    help="symbolic image tokens (and the aligned targets) also carry their side in word-embedding "
+                         "space (decoder_prestage.PositionTable)")
+    ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
+                    help="the pre-stage also samples the generator's digit-next-to-object layout")
+    ap.add_argument("--vision-pack", type=int, default=28800,
+                    help="samples of builtin:train the vision stage draws from (0 = the joint stage's pack, "
+                         "--steps x --batch); the default shows the tower 3599 digit scenes instead of 1181")
     ap.add_argument("--align-weight", type=float, default=1.0,
                     help="weight of the loss pulling the projector's output per patch onto the pre-staged "
                          "decoder's symbolic image tokens (vision first stage and joint stage; needs "
@@ -597,13 +593,22 @@ def main() -> int:
 
     vocab_words = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))["words"]
     samples = args.steps * args.batch
-    train_h5, calib_h5 = work / f"train-{samples}.h5", work / "calib.h5"
-    if not train_h5.exists():
-        print(f"[train] packing builtin:train ({samples} samples) -> {train_h5}", file=sys.stderr)
-        run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:train", str(train_h5), "--limit", str(samples))
+    vision_samples = args.vision_pack or samples
+
+    def train_pack(n: int) -> Pack:
+        """The first n samples of builtin:train, packed into --work once."""
+        path = work / f"train-{n}.h5"
+        if not path.exists():
+            print(f"[train] packing builtin:train ({n} samples) -> {path}", file=sys.stderr)
+            run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:train", str(path), "--limit", str(n))
+        return Pack(path)
+
+    train = train_pack(samples)
+    vision_train = train_pack(vision_samples) if vision_samples != samples else train
+    calib_h5 = work / "calib.h5"
     if not calib_h5.exists():
         run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:calib", str(calib_h5))
-    train, held = Pack(train_h5), Pack(calib_h5)
+    held = Pack(calib_h5)
 
     tok = build_tokenizer(vocab_words)
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
@@ -633,9 +638,14 @@ def main() -> int:
     if args.decoder_prestage_steps > 0:
         decoder = model.model.language_model
         # Created whether or not the stage is cached: the torch RNG must advance the same either way.
-        positions = decoder_prestage.PositionTable(config.text_config.hidden_size)
+        side = (tuple(word_id[w] for w in ("left", "right", "top", "bottom")) if args.prestage_side_words
+                else None)
+        positions = decoder_prestage.PositionTable(config.text_config.hidden_size, side)
+        # The stage's sampler and losses live in decoder_prestage.py: a change there is a new stage.
+        sampler_version = hashlib.sha256(Path(decoder_prestage.__file__).read_bytes()).hexdigest()[:8]
         prestage_key = (f"decoder-prestage-{args.decoder_prestage_steps}-{args.decoder_prestage_batch}-"
-                        f"{args.decoder_prestage_lr}-{args.seed}")
+                        f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
+                        + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else ""))
         cache = work / f"{prestage_key}.safetensors"
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         if cache.exists():
@@ -643,7 +653,7 @@ def main() -> int:
             prestage_log = json.loads((work / f"{prestage_key}.json").read_text())
             print(f"[train] decoder pre-stage from {cache}", file=sys.stderr)
         else:
-            sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS)
+            sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to)
             prestage_log = decoder_prestage.pretrain(
                 decoder, positions, sampler, word_id, steps=args.decoder_prestage_steps,
                 batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr, seed=args.seed + 2,
@@ -655,13 +665,21 @@ def main() -> int:
             os.replace(partial, cache)
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate
             model.lm_head.weight.copy_(decoder.embed_tokens.weight)
-        position_table = positions.table().detach()
         projector = model.model.multi_modal_projector
 
         def align(vision_features, scenes, items):
+            # The learned row/column tables are frozen after the pre-stage; the side component
+            # follows the word embeddings as the joint stage moves them.
+            with torch.no_grad():
+                position_table = positions.table(decoder.embed_tokens.weight)
             target = decoder_prestage.aligned_targets(scenes, items, decoder.embed_tokens.weight, position_table,
                                                       word_id, shapes, colors)
-            return decoder_prestage.alignment_loss(projector(vision_features), target)
+            projected = projector(vision_features)
+            out = {"align": decoder_prestage.alignment_loss(projected, target)}
+            if args.readout_weight > 0:
+                out["readout"] = decoder_prestage.readout_loss(projected, items, decoder.embed_tokens.weight,
+                                                               word_id, shapes, colors)
+            return out
     else:
         prestage_log = []
     tap = VisionTap(model)
@@ -673,10 +691,12 @@ def main() -> int:
                                             for k, c in POOLED_HEADS.items()})
     if args.vision_steps > 0 and pooled_heads is not None:
         # The first stage depends only on these arguments: cache it in --work (safetensors, no pickle).
-        key = f"vision-pooled-{args.vision_steps}-{args.vision_batch}-{args.vision_lr}-{args.seed}-{samples}"
+        key = f"vision-pooled-{args.vision_steps}-{args.vision_batch}-{args.vision_lr}-{args.seed}-{vision_samples}"
         stage = torch.nn.ModuleDict({"tower": model.model.vision_tower, "heads": pooled_heads})
         if args.align_weight > 0:
             key += f"-align-{args.align_weight}-{prestage_key}"
+            if args.readout_weight > 0:
+                key += f"-readout-{args.readout_weight}"
             stage["projector"] = model.model.multi_modal_projector
         cache = work / f"{key}.safetensors"
         if cache.exists():
@@ -684,7 +704,7 @@ def main() -> int:
             vision_log = json.loads((work / f"{key}.json").read_text())
             print(f"[train] first stage from {cache}", file=sys.stderr)
         else:
-            vision_log = pretrain_vision_pooled(model, tap, pooled_heads, train, held, shapes, colors, args,
+            vision_log = pretrain_vision_pooled(model, tap, pooled_heads, vision_train, held, shapes, colors, args,
                                                 align=align if args.align_weight > 0 else None)
             # Log first, weights last via temp + rename: the weights' presence means the entry is complete.
             (work / f"{key}.json").write_text(json.dumps(vision_log))
@@ -692,7 +712,7 @@ def main() -> int:
             safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
             os.replace(partial, cache)
     elif args.vision_steps > 0:
-        vision_log = pretrain_vision(model, tap, heads, train, held, shapes, colors, args)
+        vision_log = pretrain_vision(model, tap, heads, vision_train, held, shapes, colors, args)
     # The first stage leaves its last gradients on the tower and heads; the joint stage's first
     # backward would add to them (and a run that loads the cached stage has none: different weights).
     model.zero_grad(set_to_none=True)
@@ -750,8 +770,9 @@ def main() -> int:
             patch_losses = [v for k, v in aux_losses.items() if k in AUX_HEADS]
             loss = loss + args.aux_weight * sum(patch_losses) / len(patch_losses)
         if args.align_weight > 0:
-            aux_losses["align"] = align(tap.value[:, 1:, :], scenes, items)
-            loss = loss + args.align_weight * aux_losses["align"]
+            aligned = align(tap.value[:, 1:, :], scenes, items)
+            aux_losses.update(aligned)
+            loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}")
         loss.backward()

@@ -11,7 +11,7 @@ column embeddings, at its centre patch's RoPE position), lm_head tied to the
 embeddings, the builtin decoder config (4 x 256, GQA).
 
     scripts/experiments/decoder_symbolic_scenes.py [--steps 3000] [--batch 64]
-        [--lr 1e-3] [--kinds color,shape,...] [--mimetic ALPHA] [--save F]
+        [--lr 1e-3] [--kinds color,shape,...] [--mimetic ALPHA] [--side-words] [--next-to] [--save F]
 
 Prints held-out first-answer-token accuracy per kind (1024 fixed samples) every
 --eval-every steps. --save writes the decoder ("lm.model.*", tied head as
@@ -71,6 +71,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mimetic", type=float, default=0.0, help="alpha of a mimetic attention init (0 = HF default)")
     ap.add_argument("--save", default=None)
+    ap.add_argument("--next-to", action="store_true", help="also the digit-next-to-object layout")
+    ap.add_argument("--side-words", action="store_true",
+                    help="add each token's side in word-embedding space (decoder_prestage.PositionTable)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -82,8 +85,9 @@ def main() -> int:
     lm = LlamaForCausalLM(LlamaConfig(**base))
     if args.mimetic > 0:
         mimetic_init(lm, args.mimetic)
-    positions = dp.PositionTable(lm.config.hidden_size)
-    dp.pretrain(lm.model, positions, dp.SymbolicScenes(SHAPES, COLORS, PLURALS), word_id, steps=args.steps,
+    side = tuple(word_id[w] for w in ("left", "right", "top", "bottom")) if args.side_words else None
+    positions = dp.PositionTable(lm.config.hidden_size, side)
+    dp.pretrain(lm.model, positions, dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to), word_id, steps=args.steps,
                 batch=args.batch, lr=args.lr, seed=args.seed, kinds=args.kinds.split(","),
                 eval_every=args.eval_every, held=args.held)
     if args.save:
