@@ -270,7 +270,8 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
   // clean 0.12/0.25/0.44 nats vs shuffled 0.28/0.51/0.95; attn_mass clean
   // 0.56/0.65/0.72 vs shuffled 0.50/0.56/0.64; topk_mass clean 0.992/0.998/1.000
   // vs shuffled 0.968/0.986/0.996. On the 24 samples below the gates count 1, 0, 0
-  // clean and 8, 7, 13 shuffled samples. (The 900-step model of 16e7112, which had not
+  // clean and 8, 7, 13 shuffled samples; with the session-11 model 0, 0, 0 and 6, 16, 15
+  // (accuracy 0.71 clean, 0.13 shuffled). (The 900-step model of 16e7112, which had not
   // learned to route, separated on entropy at ~4 nats instead.)
   const std::vector<std::string> gates = {"last_tau_align>0.6:10%", "attn_mass<0.53:10%", "topk_mass<0.985:10%"};
   const auto run = [&](const fs::path& model, const std::string& out) {
