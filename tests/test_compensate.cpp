@@ -292,6 +292,16 @@ TEST_CASE("compensate: adapter file, folded projector, manifest that verify acce
     const auto a = compensate::forward_with_adapter(old_bundle.model, batch, adapter.adapter.get(), adapter.placement);
     const auto in = plain_inputs(batch);
     const auto l = new_bundle.model.forward(in).logits;
-    CHECK(((l - a.logits).norm() / a.logits.norm()).item<double>() < 1e-5);
+    // Activations are fake-quantized (W8A8): the fold moves the projector's output by float
+    // rounding, which can flip one activation's int8 rounding further on (a relative 1e-3 of the
+    // logits on the AMD host, 0 on the Intel one). So: the folded bundle must land much closer to
+    // old bundle + adapter than the adapter moved it, not bit-close.
+    const auto without_adapter = old_bundle.model.forward(in).logits;
+    const double fold_error = (l - a.logits).norm().item<double>();
+    const double adapter_effect = (without_adapter - a.logits).norm().item<double>();
+    MESSAGE("fold error " << fold_error << ", adapter effect " << adapter_effect << " (logit norms)");
+    CHECK(adapter_effect > 0.0);
+    CHECK(fold_error < 0.1 * adapter_effect);
+    CHECK(fold_error / a.logits.norm().item<double>() < 1e-2);
   }
 }
