@@ -271,8 +271,10 @@ class PositionTable(torch.nn.Module):
     "bottom"), also the patch's side in the word-embedding space: h * (e_right - e_left) +
     v * (e_bottom - e_top) (side_coefficients). A position question then reads the side the way a
     colour question reads the colour word: copied out of the token through the tied head.
-    Off in the shipped recipe: it slowed the routing (0.585 vs 0.785 held-out at step 3000, with
-    --next-to) and position stayed at 0.65 (docs/BENCHMARKS.md, session 11)."""
+    On in the shipped recipe since session 12, after a first phase of size and position questions
+    only (train_builtin.py --prestage-position-first): from the full mix alone it slowed the routing
+    (0.585 vs 0.785 held-out at step 3000, with --next-to) and position stayed at 0.65, and switched
+    on after the routing had formed it was never picked up (docs/BENCHMARKS.md, sessions 11, 12)."""
 
     def __init__(self, hidden: int, side_words: tuple[int, int, int, int] | None = None):
         super().__init__()

@@ -15,12 +15,14 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
         [--steps 300] [--batch 32] [--seed 0] [--work DIR]
 
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
-(docs/BENCHMARKS.md, builtin model, sessions 10 and 11):
+(docs/BENCHMARKS.md, builtin model, sessions 10-12):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 3000 steps): the decoder alone
-   on symbolic scenes, each object one token made of its words' embeddings. This
-   is where it learns to route a question to the object it names, which it did
-   not learn from images within any CPU budget tried;
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 3000 steps): the decoder alone
+   on symbolic scenes, each object one token made of its words' embeddings plus its
+   side in word-embedding space. This is where it learns to route a question to the
+   object it names, which it did not learn from images within any CPU budget tried.
+   The first 500 steps ask size and position questions only: in the full mix the
+   decoder never learned to read the side (session 12);
 2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
    (shape, colour, size, digit); the projector pulled onto the pre-staged
@@ -35,12 +37,13 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
 
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
-model), CPU, fixed thread count; stages 1 and 2 are cached in --work
+model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
+the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On 2 cores the stages take about
-8.9, 9.1 and 6 minutes, ~24 min end to end with packing (~15 s) and the
-held-out checks (2026-12-01: stages 2 and 3 took 14 min 57 s wall in a run
-from the cached pre-stage, whose fresh run took 531 s; docs/BENCHMARKS.md). Writes the checkpoint atomically (temp dir + rename).
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of session 12
+the stages took 895 s (140 + 755), 754 s and 447 s: 35 min end to end with packing and
+the held-out checks (the Intel host of sessions 10-11 ran the stages ~1.4x faster:
+~26 min). docs/BENCHMARKS.md has the figures. Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -571,9 +574,13 @@ def main() -> int:
                     help="weight of the loss reading each object's and box's words out of its mean projected "
                          "feature through the decoder's embeddings (decoder_prestage.readout_loss; with "
                          "--align-weight)")
-    ap.add_argument("--prestage-side-words", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--prestage-side-words", action=argparse.BooleanOptionalAction, default=True,
                     help="symbolic image tokens (and the aligned targets) also carry their side in word-embedding "
-                         "space (decoder_prestage.PositionTable)")
+                         "space (decoder_prestage.PositionTable); with --prestage-position-first")
+    ap.add_argument("--prestage-position-first", type=int, default=500,
+                    help="start the pre-stage with N steps of size and position questions only: in the full mix "
+                         "the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
+                         "words, also when continued), started this way it keeps it (0.94) (0 = off)")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
                     help="the pre-stage also samples the generator's digit-next-to-object layout")
     ap.add_argument("--vision-pack", type=int, default=28800,
@@ -646,23 +653,39 @@ def main() -> int:
         prestage_key = (f"decoder-prestage-{args.decoder_prestage_steps}-{args.decoder_prestage_batch}-"
                         f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
                         + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else ""))
-        cache = work / f"{prestage_key}.safetensors"
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
-        if cache.exists():
-            stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
-            prestage_log = json.loads((work / f"{prestage_key}.json").read_text())
-            print(f"[train] decoder pre-stage from {cache}", file=sys.stderr)
-        else:
-            sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to)
-            prestage_log = decoder_prestage.pretrain(
-                decoder, positions, sampler, word_id, steps=args.decoder_prestage_steps,
-                batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr, seed=args.seed + 2,
-                held=min(1024, 16 * args.decoder_prestage_steps),
-                log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True))
-            (work / f"{prestage_key}.json").write_text(json.dumps(prestage_log))
+        sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to)
+
+        def cached_prestage(key: str, phases: list[dict]) -> list[dict]:
+            """Runs decoder_prestage.pretrain on `stage` once per phase, or loads the result from --work."""
+            cache = work / f"{key}.safetensors"
+            if cache.exists():
+                stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
+                print(f"[train] decoder pre-stage from {cache}", file=sys.stderr)
+                return json.loads((work / f"{key}.json").read_text())
+            entries = []
+            for i, phase in enumerate(phases):
+                entries += [{**e, "phase": i} if len(phases) > 1 else e for e in decoder_prestage.pretrain(
+                    decoder, positions, sampler, word_id, batch=args.decoder_prestage_batch,
+                    lr=args.decoder_prestage_lr, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True),
+                    **phase)]
+            # Log first, weights last via temp + rename: the weights' presence means the entry is complete.
+            (work / f"{key}.json").write_text(json.dumps(entries))
             partial = cache.with_suffix(".partial")
             safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
             os.replace(partial, cache)
+            return entries
+
+        phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
+                       held=min(1024, 16 * args.decoder_prestage_steps))]
+        if args.prestage_position_first > 0:
+            # Size and position questions alone first: both name an object by colour and shape, and
+            # on their own the decoder learns to read the side (session 12); in the full mix it never does.
+            phases.insert(0, dict(steps=args.prestage_position_first, seed=args.seed + 4,
+                                  held=min(512, 16 * args.prestage_position_first),
+                                  kinds=["size", "position"]))
+            prestage_key += f"-posfirst{args.prestage_position_first}"
+        prestage_log = cached_prestage(prestage_key, phases)
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate
             model.lm_head.weight.copy_(decoder.embed_tokens.weight)
         projector = model.model.multi_modal_projector
@@ -781,7 +804,7 @@ def main() -> int:
         opt.zero_grad(set_to_none=True)
         if step % 25 == 0:
             entry = {"step": step, "loss": round(float(answer_loss.detach()), 5), "lr": sched_lr(step),
-                     "s": round(time.time() - t0, 1), "aux": {k: round(float(v), 3) for k, v in aux_losses.items()}, "aux_fg_acc": aux_fg_acc}
+                     "s": round(time.time() - t0, 1), "aux": {k: round(float(v.detach()), 3) for k, v in aux_losses.items()}, "aux_fg_acc": aux_fg_acc}
             # Step 0 too after a decoder pre-stage: what the stages give before any answer loss.
             if step % args.eval_every == 0 and (step > 0 or args.decoder_prestage_steps > 0):
                 entry["heldout_acc"], entry["by_type"] = quick_eval(model, tok, held, ids, 256, 64)

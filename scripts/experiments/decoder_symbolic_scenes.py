@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mimetic", type=float, default=0.0, help="alpha of a mimetic attention init (0 = HF default)")
     ap.add_argument("--save", default=None)
+    ap.add_argument("--init", default=None,
+                    help="start from a train_builtin.py pre-stage cache (--work/decoder-prestage-*.safetensors)")
     ap.add_argument("--next-to", action="store_true", help="also the digit-next-to-object layout")
     ap.add_argument("--side-words", action="store_true",
                     help="add each token's side in word-embedding space (decoder_prestage.PositionTable)")
@@ -87,6 +89,10 @@ def main() -> int:
         mimetic_init(lm, args.mimetic)
     side = tuple(word_id[w] for w in ("left", "right", "top", "bottom")) if args.side_words else None
     positions = dp.PositionTable(lm.config.hidden_size, side)
+    if args.init:
+        import safetensors.torch
+        stage = torch.nn.ModuleDict({"decoder": lm.model, "positions": positions})
+        stage.load_state_dict(safetensors.torch.load_file(args.init), strict=True)
     dp.pretrain(lm.model, positions, dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to), word_id, steps=args.steps,
                 batch=args.batch, lr=args.lr, seed=args.seed, kinds=args.kinds.split(","),
                 eval_every=args.eval_every, held=args.held)

@@ -42,7 +42,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--work", str(work), "--steps", str(STEPS), "--batch", str(BATCH), "--threads", "1",
            "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
            "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1",
-           "--readout-weight", "1", "--vision-pack", "12"]
+           "--readout-weight", "1", "--vision-pack", "12", "--prestage-position-first", "2"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
