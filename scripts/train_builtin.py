@@ -525,6 +525,23 @@ def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None,
     return correct / max(total, 1), {k: round(c / t, 4) for k, (c, t) in sorted(by_type.items())}
 
 
+def cached_stage(work: Path, key: str, stage: torch.nn.Module, what: str, train) -> list[dict]:
+    """Loads `stage`'s weights and log from --work/<key>.*, or runs train() (-> log entries) and
+    stores both there: log first, weights last via temp + rename, so the weights' presence means
+    the entry is complete (safetensors, no pickle)."""
+    cache = work / f"{key}.safetensors"
+    if cache.exists():
+        stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
+        print(f"[train] {what} from {cache}", file=sys.stderr)
+        return json.loads((work / f"{key}.json").read_text())
+    log = train()
+    (work / f"{key}.json").write_text(json.dumps(log))
+    partial = cache.with_suffix(".partial")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
+    os.replace(partial, cache)
+    return log
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vlmopt", required=True, help="path to the vlmopt binary (dataset generator)")
@@ -656,24 +673,14 @@ def main() -> int:
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to)
 
-        def cached_prestage(key: str, phases: list[dict]) -> list[dict]:
-            """Runs decoder_prestage.pretrain on `stage` once per phase, or loads the result from --work."""
-            cache = work / f"{key}.safetensors"
-            if cache.exists():
-                stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
-                print(f"[train] decoder pre-stage from {cache}", file=sys.stderr)
-                return json.loads((work / f"{key}.json").read_text())
+        def run_prestage(phases: list[dict]) -> list[dict]:
+            """decoder_prestage.pretrain on `stage` once per phase; the log entries of all phases."""
             entries = []
             for i, phase in enumerate(phases):
                 entries += [{**e, "phase": i} if len(phases) > 1 else e for e in decoder_prestage.pretrain(
                     decoder, positions, sampler, word_id, batch=args.decoder_prestage_batch,
                     lr=args.decoder_prestage_lr, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True),
                     **phase)]
-            # Log first, weights last via temp + rename: the weights' presence means the entry is complete.
-            (work / f"{key}.json").write_text(json.dumps(entries))
-            partial = cache.with_suffix(".partial")
-            safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
-            os.replace(partial, cache)
             return entries
 
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
@@ -685,7 +692,8 @@ def main() -> int:
                                   held=min(512, 16 * args.prestage_position_first),
                                   kinds=["size", "position"]))
             prestage_key += f"-posfirst{args.prestage_position_first}"
-        prestage_log = cached_prestage(prestage_key, phases)
+        prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
+                                    lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate
             model.lm_head.weight.copy_(decoder.embed_tokens.weight)
         projector = model.model.multi_modal_projector
@@ -713,7 +721,7 @@ def main() -> int:
         pooled_heads = torch.nn.ModuleDict({k: torch.nn.Linear(config.vision_config.hidden_size, c)
                                             for k, c in POOLED_HEADS.items()})
     if args.vision_steps > 0 and pooled_heads is not None:
-        # The first stage depends only on these arguments: cache it in --work (safetensors, no pickle).
+        # The first stage depends only on these arguments: cache it in --work.
         key = f"vision-pooled-{args.vision_steps}-{args.vision_batch}-{args.vision_lr}-{args.seed}-{vision_samples}"
         stage = torch.nn.ModuleDict({"tower": model.model.vision_tower, "heads": pooled_heads})
         if args.align_weight > 0:
@@ -721,19 +729,9 @@ def main() -> int:
             if args.readout_weight > 0:
                 key += f"-readout-{args.readout_weight}"
             stage["projector"] = model.model.multi_modal_projector
-        cache = work / f"{key}.safetensors"
-        if cache.exists():
-            stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
-            vision_log = json.loads((work / f"{key}.json").read_text())
-            print(f"[train] first stage from {cache}", file=sys.stderr)
-        else:
-            vision_log = pretrain_vision_pooled(model, tap, pooled_heads, vision_train, held, shapes, colors, args,
-                                                align=align if args.align_weight > 0 else None)
-            # Log first, weights last via temp + rename: the weights' presence means the entry is complete.
-            (work / f"{key}.json").write_text(json.dumps(vision_log))
-            partial = cache.with_suffix(".partial")
-            safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
-            os.replace(partial, cache)
+        vision_log = cached_stage(work, key, stage, "first stage", lambda: pretrain_vision_pooled(
+            model, tap, pooled_heads, vision_train, held, shapes, colors, args,
+            align=align if args.align_weight > 0 else None))
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, vision_train, held, shapes, colors, args)
     # The first stage leaves its last gradients on the tower and heads; the joint stage's first
