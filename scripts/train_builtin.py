@@ -40,10 +40,11 @@ step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of session 12
-the stages took 895 s (140 + 755), 754 s and 447 s: 35 min end to end with packing and
-the held-out checks (the Intel host of sessions 10-11 ran the stages ~1.4x faster:
-~26 min). docs/BENCHMARKS.md has the figures. Writes the checkpoint atomically (temp dir + rename).
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-13
+the stages took 895 s (140 + 755), 676 s and 492 s: ~35 min end to end with packing and
+the held-out checks, over issue 3's 30 minutes (the Intel host of sessions 10-11 ran the
+stages ~1.4x faster: ~24 min). Shorter vision and joint stages (est. 27-29.5 min) lost 2.6 and
+8.6 points, bfloat16 matmuls (31.6 min) 5.2 (docs/BENCHMARKS.md, session 13). Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -123,15 +124,20 @@ class Pack:
     def __len__(self) -> int:
         return self.images.shape[0]
 
+    @staticmethod
+    def rows(dataset, idx: np.ndarray) -> list:
+        """dataset[i] for each i of idx, ascending. One read per row: h5py's fancy selection
+        (dataset[idx]) took 0.13 s for 64 gzip-chunked images, the loop 0.01 s (session 13)."""
+        return [dataset[i] for i in np.sort(idx)]
+
     def batch(self, idx: np.ndarray):
-        idx = np.sort(idx)
-        imgs = self.images[idx]  # [B,H,W,3] uint8, RGB
+        imgs = np.stack(self.rows(self.images, idx))  # [B,H,W,3] uint8, RGB
         dec = lambda v: v.decode() if isinstance(v, bytes) else str(v)
-        return (imgs, [dec(q) for q in self.questions[idx]], [dec(a) for a in self.answers[idx]],
-                [dec(t) for t in self.types[idx]])
+        return (imgs, [dec(q) for q in self.rows(self.questions, idx)], [dec(a) for a in self.rows(self.answers, idx)],
+                [dec(t) for t in self.rows(self.types, idx)])
 
     def scenes(self, idx: np.ndarray) -> list[dict]:
-        return [json.loads(m) for m in self.meta[np.sort(idx)]]
+        return [json.loads(m) for m in self.rows(self.meta, idx)]
 
 
 # Dense auxiliary supervision of the vision tower (training only; the heads are
@@ -290,7 +296,11 @@ def balanced_patch_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
 
 
 class VisionTap:
-    """Captures the vision tower's hidden state that feeds the projector (vision_feature_layer)."""
+    """Captures the vision tower's hidden state that feeds the projector (vision_feature_layer).
+
+    While training, the layers after that one are skipped (identity forward): like LLaVA's, the
+    tower's last layer feeds nothing (feature layer -2), gets no gradient and keeps its initial
+    weights, but CLIP still ran it, a quarter of every tower forward. restore() before saving."""
 
     def __init__(self, model: LlavaForConditionalGeneration):
         tower = model.model.vision_tower
@@ -298,6 +308,15 @@ class VisionTap:
         index = model.config.vision_feature_layer % (len(layers) + 1)  # hidden_states index
         self.value = None
         layers[index - 1].register_forward_hook(self._hook)
+        # hidden_states[index] is layer index-1's output; an identity layer after it keeps the
+        # count of hidden states, so hidden_states[vision_feature_layer] is the same tensor.
+        self.skipped = list(layers)[index:]
+        for layer in self.skipped:
+            layer.forward = lambda hidden_states, *_args, **_kwargs: hidden_states
+
+    def restore(self) -> None:
+        for layer in self.skipped:
+            del layer.forward  # the class's forward again
 
     def _hook(self, _module, _inputs, output):
         self.value = output[0] if isinstance(output, tuple) else output
@@ -816,6 +835,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".builtin-", dir=out.parent))  # same filesystem: the rename is atomic
+    tap.restore()
     model.save_pretrained(tmp, safe_serialization=True)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
                                    pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})

@@ -76,6 +76,34 @@ def derived_question_parity(calib_h5: Path) -> list[str]:
     return out[:5]
 
 
+def vision_tap_parity(model_dir: Path) -> list[str]:
+    """train_builtin.VisionTap skips the tower's unused last layer while training: the projector's
+    input must stay the same tensor, and restore() must bring the layer back."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import torch
+    import train_builtin as tb
+    from transformers import LlavaForConditionalGeneration
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    tower = model.model.vision_tower
+    pixels = torch.randn(2, 3, tb.IMAGE_SIZE, tb.IMAGE_SIZE, generator=torch.Generator().manual_seed(0))
+    layer = model.config.vision_feature_layer
+    with torch.no_grad():
+        before = tower(pixel_values=pixels, output_hidden_states=True).hidden_states
+        tap = tb.VisionTap(model)
+        during = tower(pixel_values=pixels, output_hidden_states=True).hidden_states
+        tapped = tap.value
+        tap.restore()
+        after = tower(pixel_values=pixels, output_hidden_states=True).hidden_states
+    out = []
+    if not torch.equal(during[layer], before[layer]) or not torch.equal(tapped, before[layer]):
+        out.append("VisionTap changed the vision features the projector reads")
+    if not torch.equal(during[-1], during[layer]):
+        out.append("VisionTap did not skip the layers after the feature layer")
+    if not torch.equal(after[-1], before[-1]):
+        out.append("VisionTap.restore() did not bring the skipped layers back")
+    return out
+
+
 def main() -> int:
     vlmopt = os.environ.get("VLMOPT_BIN", str(REPO_ROOT / "build" / "apps" / "vlmopt" / "vlmopt"))
     failures: list[str] = []
@@ -137,6 +165,7 @@ def main() -> int:
                 failures.append("same seed, different weights: the run is not reproducible")
 
         failures += derived_question_parity(work / "calib.h5")
+        failures += vision_tap_parity(first)
 
     for f in failures:
         print(f"FAIL {f}")
