@@ -43,7 +43,7 @@ class CountLayoutScenes(dp.SymbolicScenes):
     """The pre-stage sampler with the generator's count layouts for count questions
     (datasets/scenes.cpp compose_count): n = 0..5 targets of one shape (any colour) or one colour
     (any shape), 0..min(3, 6 - n) distractors without that attribute (at least one when n = 0),
-    mostly small objects when crowded, centres >= 12 px apart on distinct patches. The random
+    mostly small objects when crowded, centres >= 12 px apart. The random
     scenes of SymbolicScenes.scene almost never hold an attribute three times, while
     builtin:eval asks zero..five uniformly (session 13)."""
 
@@ -59,14 +59,12 @@ class CountLayoutScenes(dp.SymbolicScenes):
         specs = [(shape if by_shape else pick(self.shapes), pick(self.colors) if by_shape else color) for _ in range(n)]
         specs += [(pick(self.shapes, shape), pick(self.colors)) if by_shape else (pick(self.shapes), pick(self.colors, color))
                   for _ in range(distractors)]
-        objs, patches = [], set()
+        objs = []
         for sh, co in specs:
-            while True:
+            while True:  # >= 12 px apart also means distinct 8 px patches: one token per object
                 cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
-                patch = min(cy // dp.PATCH, dp.GRID - 1) * dp.GRID + min(cx // dp.PATCH, dp.GRID - 1)
-                if patch not in patches and all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
+                if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
                     break
-            patches.add(patch)
             objs.append({"shape": sh, "color": co, "size": "large" if rng.random() < large_p else "small",
                          "cx": cx, "cy": cy})
         q = f"how many {self.plurals[shape]} are there ?" if by_shape else f"how many {color} objects are there ?"
