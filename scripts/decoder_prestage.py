@@ -65,6 +65,8 @@ class SymbolicScenes:
     # "what color is the large X ?" also when there is a single X (the generator asks it; the
     # pre-stage's draws have it only for two X of different sizes, see relation_margin).
     sized_color_singles: bool = False
+    # Count questions on the generator's count layouts (count_sample) instead of random scenes.
+    count_layouts: bool = False
 
     def scene(self, rng: np.random.Generator) -> dict:
         objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
@@ -160,9 +162,41 @@ class SymbolicScenes:
                              ("which digit is in the right box ?", NUMBERS[right["label"]])]
         return out
 
+    def count_sample(self, rng: np.random.Generator) -> tuple[dict, str, str, str]:
+        """A count question on the generator's count layout (datasets/scenes.cpp compose_count):
+        n = 0..5 targets of one shape (any colour) or one colour (any shape), 0..min(3, 6 - n)
+        distractors without that attribute (at least one when n = 0), mostly small objects when
+        crowded, centres >= 12 px apart (so distinct patches: one token per object). Random scenes
+        (scene) almost never hold an attribute three times, while builtin:eval asks zero..five
+        uniformly (session 13)."""
+        n = int(rng.integers(0, 6))
+        by_shape = bool(rng.random() < 0.5)
+        distractors = int(rng.integers(1 if n == 0 else 0, min(3, 6 - n) + 1))
+        large_p = 0.15 if n + distractors >= 5 else 0.35
+        shape, color = self.shapes[rng.integers(len(self.shapes))], self.colors[rng.integers(len(self.colors))]
+
+        def pick(pool, exclude=None):
+            choices = [x for x in pool if x != exclude]
+            return choices[rng.integers(len(choices))]
+        specs = [(shape if by_shape else pick(self.shapes), pick(self.colors) if by_shape else color) for _ in range(n)]
+        specs += [(pick(self.shapes, shape), pick(self.colors)) if by_shape else (pick(self.shapes), pick(self.colors, color))
+                  for _ in range(distractors)]
+        objs = []
+        for sh, co in specs:
+            while True:
+                cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
+                if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
+                    break
+            objs.append({"shape": sh, "color": co, "size": "large" if rng.random() < large_p else "small",
+                         "cx": cx, "cy": cy})
+        q = f"how many {self.plurals[shape]} are there ?" if by_shape else f"how many {color} objects are there ?"
+        return {"objects": objs, "boxes": []}, "count", q, NUMBERS[n]
+
     def sample(self, rng: np.random.Generator, kinds: list[str]) -> tuple[dict, str, str, str]:
         """A kind drawn uniformly, then a scene that has a question of that kind."""
         kind = kinds[rng.integers(len(kinds))]
+        if kind == "count" and self.count_layouts:
+            return self.count_sample(rng)
         while True:
             scene = self.scene(rng)
             cands = self.questions(scene)[kind]
@@ -320,11 +354,12 @@ def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
 
 def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dict[str, int], *, steps: int,
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
-             eval_every: int = 250, held: int = 1024, log=print) -> list[dict]:
+             eval_every: int = 250, held: int = 1024, cooldown: int = 0, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
-    decaying rate would slow the later kinds. Held-out: first-answer-token accuracy per kind on
+    decaying rate would slow the later kinds; `cooldown` > 0 lowers it linearly to 10 % over the
+    last `cooldown` steps. Held-out: first-answer-token accuracy per kind on
     `held` fixed samples (their own seed, disjoint stream)."""
     kinds = kinds or KINDS
     params = list(lm.parameters()) + list(positions.parameters())
@@ -350,6 +385,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr * min(1.0, (step + 1) / warmup)
+            if step >= steps - cooldown:
+                g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
         b = collate([sampler.sample(rng, kinds) for _ in range(batch)], word_id)
         out = logits(lm, positions, b)
         loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),

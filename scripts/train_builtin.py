@@ -617,8 +617,17 @@ def main() -> int:
                     help="start the pre-stage with N steps of size and position questions only: in the full mix "
                          "the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
                          "words, also when continued), started this way it keeps it (0.94) (0 = off)")
+    ap.add_argument("--prestage-first-kinds", default="size,position",
+                    help="question kinds of the --prestage-position-first phase (comma-separated, of "
+                         "decoder_prestage.KINDS)")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
                     help="the pre-stage also samples the generator's digit-next-to-object layout")
+    ap.add_argument("--prestage-count-layouts", action=argparse.BooleanOptionalAction, default=False,
+                    help="the pre-stage asks its count questions on the generator's count layouts "
+                         "(decoder_prestage.SymbolicScenes.count_sample: answers zero..five uniform)")
+    ap.add_argument("--prestage-cooldown", type=int, default=0,
+                    help="lower the pre-stage's learning rate linearly to 10 %% over its last N full-mix steps "
+                         "(0 = constant)")
     ap.add_argument("--vision-pack", type=int, default=28800,
                     help="samples of builtin:train the vision stage draws from (0 = the joint stage's pack, "
                          "--steps x --batch); the default shows the tower 3599 digit scenes instead of 1181")
@@ -678,6 +687,9 @@ def main() -> int:
     if args.align_weight > 0 and args.decoder_prestage_steps <= 0:
         raise SystemExit("--align-weight needs --decoder-prestage-steps > 0, the space it aligns to "
                          "(pass --align-weight 0 without a pre-stage)")
+    unknown = sorted(set(args.prestage_first_kinds.split(",")) - set(decoder_prestage.KINDS))
+    if unknown:
+        raise SystemExit(f"--prestage-first-kinds: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
     if args.decoder_prestage_steps > 0:
         decoder = model.model.language_model
         # Created whether or not the stage is cached: the torch RNG must advance the same either way.
@@ -688,9 +700,12 @@ def main() -> int:
         sampler_version = hashlib.sha256(Path(decoder_prestage.__file__).read_bytes()).hexdigest()[:8]
         prestage_key = (f"decoder-prestage-{args.decoder_prestage_steps}-{args.decoder_prestage_batch}-"
                         f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
-                        + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else ""))
+                        + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else "")
+                        + ("-countlayouts" if args.prestage_count_layouts else "")
+                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else ""))
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
-        sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to)
+        sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to,
+                                                  count_layouts=args.prestage_count_layouts)
 
         def run_prestage(phases: list[dict]) -> list[dict]:
             """decoder_prestage.pretrain on `stage` once per phase; the log entries of all phases."""
@@ -703,14 +718,16 @@ def main() -> int:
             return entries
 
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
-                       held=min(1024, 16 * args.decoder_prestage_steps))]
+                       held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
         if args.prestage_position_first > 0:
             # Size and position questions alone first: both name an object by colour and shape, and
             # on their own the decoder learns to read the side (session 12); in the full mix it never does.
             phases.insert(0, dict(steps=args.prestage_position_first, seed=args.seed + 4,
                                   held=min(512, 16 * args.prestage_position_first),
-                                  kinds=["size", "position"]))
+                                  kinds=args.prestage_first_kinds.split(",")))
             prestage_key += f"-posfirst{args.prestage_position_first}"
+            if args.prestage_first_kinds != "size,position":
+                prestage_key += "-" + args.prestage_first_kinds.replace(",", "+")
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
                                     lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate

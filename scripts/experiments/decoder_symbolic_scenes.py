@@ -39,44 +39,6 @@ COLORS = ["red", "green", "blue", "yellow", "orange", "purple"]
 PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangles", "star": "stars", "cross": "crosses"}
 
 
-class CountLayoutScenes(dp.SymbolicScenes):
-    """The pre-stage sampler with the generator's count layouts for count questions
-    (datasets/scenes.cpp compose_count): n = 0..5 targets of one shape (any colour) or one colour
-    (any shape), 0..min(3, 6 - n) distractors without that attribute (at least one when n = 0),
-    mostly small objects when crowded, centres >= 12 px apart. The random
-    scenes of SymbolicScenes.scene almost never hold an attribute three times, while
-    builtin:eval asks zero..five uniformly (session 13)."""
-
-    def count_sample(self, rng: np.random.Generator) -> tuple[dict, str, str, str]:
-        n = int(rng.integers(0, 6))
-        by_shape = bool(rng.random() < 0.5)
-        distractors = int(rng.integers(1 if n == 0 else 0, min(3, 6 - n) + 1))
-        large_p = 0.15 if n + distractors >= 5 else 0.35
-        shape, color = self.shapes[rng.integers(len(self.shapes))], self.colors[rng.integers(len(self.colors))]
-        def pick(pool, exclude=None):
-            choices = [x for x in pool if x != exclude]
-            return choices[rng.integers(len(choices))]
-        specs = [(shape if by_shape else pick(self.shapes), pick(self.colors) if by_shape else color) for _ in range(n)]
-        specs += [(pick(self.shapes, shape), pick(self.colors)) if by_shape else (pick(self.shapes), pick(self.colors, color))
-                  for _ in range(distractors)]
-        objs = []
-        for sh, co in specs:
-            while True:  # >= 12 px apart also means distinct 8 px patches: one token per object
-                cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
-                if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
-                    break
-            objs.append({"shape": sh, "color": co, "size": "large" if rng.random() < large_p else "small",
-                         "cx": cx, "cy": cy})
-        q = f"how many {self.plurals[shape]} are there ?" if by_shape else f"how many {color} objects are there ?"
-        return {"objects": objs, "boxes": []}, "count", q, dp.NUMBERS[n]
-
-    def sample(self, rng: np.random.Generator, kinds: list[str]) -> tuple[dict, str, str, str]:
-        kind = kinds[rng.integers(len(kinds))]
-        if kind == "count":
-            return self.count_sample(rng)
-        return super().sample(rng, [kind])
-
-
 def mimetic_init(lm: LlamaForCausalLM, alpha: float) -> None:
     """W_q W_k^T ~ alpha * (a 32-dim projection of I) per head (Trockman & Kolter 2023, "Mimetic
     initialization of self-attention layers"): at step 0 a token attends to the tokens whose
@@ -115,7 +77,7 @@ def main() -> int:
     ap.add_argument("--next-to", action="store_true", help="also the digit-next-to-object layout")
     ap.add_argument("--count-layouts", action="store_true",
                     help="count questions on the generator's count layouts, answers zero..five uniform "
-                         "(CountLayoutScenes)")
+                         "(decoder_prestage.SymbolicScenes.count_sample)")
     ap.add_argument("--side-words", action="store_true",
                     help="add each token's side in word-embedding space (decoder_prestage.PositionTable)")
     args = ap.parse_args()
@@ -135,7 +97,7 @@ def main() -> int:
         import safetensors.torch
         stage = torch.nn.ModuleDict({"decoder": lm.model, "positions": positions})
         stage.load_state_dict(safetensors.torch.load_file(args.init), strict=True)
-    sampler = (CountLayoutScenes if args.count_layouts else dp.SymbolicScenes)(SHAPES, COLORS, PLURALS, args.next_to)
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to, count_layouts=args.count_layouts)
     dp.pretrain(lm.model, positions, sampler, word_id, steps=args.steps,
                 batch=args.batch, lr=args.lr, seed=args.seed, kinds=args.kinds.split(","),
                 eval_every=args.eval_every, held=args.held)

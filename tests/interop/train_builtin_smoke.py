@@ -16,7 +16,8 @@ readout losses) and checks that
     weights, and takes both first stages from the cache the first one wrote in --work,
   - the questions the script derives from a scene's layout (the pre-stage's and the
     joint stage's extra turns) answer the generator's own question of every calibration
-    scene they cover the same way, and cover nearly all of them (exist: 3 in 4).
+    scene they cover the same way, and cover nearly all of them (exist: 3 in 4),
+  - the pre-stage's count layouts answer as its question list does, one token per object.
 Exits 1 with one line per failure.
 """
 
@@ -73,6 +74,33 @@ def derived_question_parity(calib_h5: Path) -> list[str]:
     for kind, hits in sorted(covered.items()):
         if sum(hits) < (0.75 if kind == "exist" else 0.95) * len(hits):
             out.append(f"derived questions cover {sum(hits)} of {len(hits)} {kind} questions")
+    return out[:5]
+
+
+def count_layout_parity(draws: int = 600) -> list[str]:
+    """decoder_prestage.SymbolicScenes.count_sample (--prestage-count-layouts): its answer is the
+    one the sampler's own question list gives for that scene, every object is its own symbolic
+    token (distinct patches), and the answers cover zero..five about uniformly."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    shapes = ["circle", "square", "triangle", "star", "cross"]
+    colors = ["red", "green", "blue", "yellow", "orange", "purple"]
+    sampler = dp.SymbolicScenes(shapes, colors, tb.SHAPE_PLURALS, count_layouts=True)
+    rng = np.random.default_rng(7)
+    out, answers = [], []
+    for _ in range(draws):
+        scene, kind, q, a = sampler.sample(rng, ["count"])
+        listed = dict(sampler.questions(scene)["count"])
+        if kind != "count" or listed.get(q) != a:
+            out.append(f"count layout {q!r}: answer {a!r}, the question list's {listed.get(q)!r}")
+        if len(dp.item_words(scene)) != len(scene["objects"]):
+            out.append(f"count layout {q!r}: {len(scene['objects'])} objects on {len(dp.item_words(scene))} patches")
+        answers.append(a)
+    for n in dp.NUMBERS[:6]:
+        if not 0.5 / 6 * draws <= answers.count(n) <= 1.5 / 6 * draws:
+            out.append(f"count layouts answer {n!r} {answers.count(n)} times in {draws}")
     return out[:5]
 
 
@@ -166,6 +194,7 @@ def main() -> int:
 
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
+        failures += count_layout_parity()
 
     for f in failures:
         print(f"FAIL {f}")
