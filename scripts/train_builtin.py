@@ -15,14 +15,16 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
         [--steps 300] [--batch 32] [--seed 0] [--work DIR]
 
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
-(docs/BENCHMARKS.md, builtin model, sessions 10-12):
+(docs/BENCHMARKS.md, builtin model, sessions 10-14):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 3000 steps): the decoder alone
+1. decoder pre-stage (scripts/decoder_prestage.py, 750 + 3000 steps): the decoder alone
    on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
-   The first 500 steps ask size and position questions only: in the full mix the
-   decoder never learned to read the side (session 12);
+   The first 750 steps ask size, position and count questions only: in the full mix the
+   decoder never learned to read the side (session 12), and with count there the
+   routing forms by step 1000 of the full mix instead of ~2500 (session 14). Count
+   questions come on the generator's count layouts (zero..five uniform);
 2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
    (shape, colour, size, digit); the projector pulled onto the pre-staged
@@ -40,9 +42,10 @@ step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-13
-the stages took 895 s (140 + 755), 676 s and 492 s: ~35 min end to end with packing and
-the held-out checks, over issue 3's 30 minutes (the Intel host of sessions 10-11 ran the
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-14
+the stages took 1047 s (198 + 849), 745 s and 555 s: 39.5 min end to end with packing and
+the held-out checks in session 14 (the session-12 recipe took ~35 min in session 13; this
+host's speed drifts 10-15 %), over issue 3's 30 minutes (the Intel host of sessions 10-11 ran the
 stages ~1.4x faster: ~24 min). Shorter vision and joint stages (est. 27-29.5 min) lost 2.6 and
 8.6 points, bfloat16 matmuls (31.6 min) 5.2 (docs/BENCHMARKS.md, session 13). Writes the checkpoint atomically (temp dir + rename).
 """
@@ -613,16 +616,17 @@ def main() -> int:
     ap.add_argument("--prestage-side-words", action=argparse.BooleanOptionalAction, default=True,
                     help="symbolic image tokens (and the aligned targets) also carry their side in word-embedding "
                          "space (decoder_prestage.PositionTable); with --prestage-position-first")
-    ap.add_argument("--prestage-position-first", type=int, default=500,
-                    help="start the pre-stage with N steps of size and position questions only: in the full mix "
-                         "the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
+    ap.add_argument("--prestage-position-first", type=int, default=750,
+                    help="start the pre-stage with N steps of --prestage-first-kinds questions only: in the full "
+                         "mix the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
                          "words, also when continued), started this way it keeps it (0.94) (0 = off)")
-    ap.add_argument("--prestage-first-kinds", default="size,position",
+    ap.add_argument("--prestage-first-kinds", default="size,position,count",
                     help="question kinds of the --prestage-position-first phase (comma-separated, of "
-                         "decoder_prestage.KINDS)")
+                         "decoder_prestage.KINDS); with count the full mix's routing formed by step 1000 "
+                         "instead of ~2500 (session 14)")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
                     help="the pre-stage also samples the generator's digit-next-to-object layout")
-    ap.add_argument("--prestage-count-layouts", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--prestage-count-layouts", action=argparse.BooleanOptionalAction, default=True,
                     help="the pre-stage asks its count questions on the generator's count layouts "
                          "(decoder_prestage.SymbolicScenes.count_sample: answers zero..five uniform)")
     ap.add_argument("--prestage-cooldown", type=int, default=0,
@@ -720,8 +724,9 @@ def main() -> int:
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
                        held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
         if args.prestage_position_first > 0:
-            # Size and position questions alone first: both name an object by colour and shape, and
-            # on their own the decoder learns to read the side (session 12); in the full mix it never does.
+            # Size and position (and count) questions alone first: on their own the decoder learns to
+            # read the side (session 12), which in the full mix it never does. The key keeps its
+            # session-12 form for the kinds of that recipe.
             phases.insert(0, dict(steps=args.prestage_position_first, seed=args.seed + 4,
                                   held=min(512, 16 * args.prestage_position_first),
                                   kinds=args.prestage_first_kinds.split(",")))
