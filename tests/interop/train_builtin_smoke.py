@@ -36,6 +36,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH = 2, 4
+# The generator's attribute words in its order (`vlmopt datasets vocab`).
+SHAPES = ["circle", "square", "triangle", "star", "cross"]
+COLORS = ["red", "green", "blue", "yellow", "orange", "purple"]
 
 
 def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
@@ -60,9 +63,7 @@ def derived_question_parity(calib_h5: Path) -> list[str]:
     pack = tb.Pack(calib_h5)
     idx = np.arange(len(pack))
     _, questions, answers, types = pack.batch(idx)
-    shapes = ["circle", "square", "triangle", "star", "cross"]
-    colors = ["red", "green", "blue", "yellow", "orange", "purple"]
-    sampler = dp.SymbolicScenes(shapes, colors, tb.SHAPE_PLURALS, relation_margin=16, sized_color_singles=True)
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, relation_margin=16, sized_color_singles=True)
     covered: dict[str, list[int]] = {}
     out = []
     for meta, q, a, kind in zip(pack.scenes(idx), questions, answers, types):
@@ -85,9 +86,7 @@ def count_layout_parity(draws: int = 600) -> list[str]:
     import numpy as np
     import decoder_prestage as dp
     import train_builtin as tb
-    shapes = ["circle", "square", "triangle", "star", "cross"]
-    colors = ["red", "green", "blue", "yellow", "orange", "purple"]
-    sampler = dp.SymbolicScenes(shapes, colors, tb.SHAPE_PLURALS, count_layouts=True)
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True)
     rng = np.random.default_rng(7)
     out, answers = [], []
     for _ in range(draws):
