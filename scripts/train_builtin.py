@@ -635,6 +635,10 @@ def main() -> int:
     ap.add_argument("--vision-pack", type=int, default=28800,
                     help="samples of builtin:train the vision stage draws from (0 = the joint stage's pack, "
                          "--steps x --batch); the default shows the tower 3599 digit scenes instead of 1181")
+    ap.add_argument("--joint-digit-scenes", type=int, default=0,
+                    help="of each joint-stage batch, this many scenes with digit boxes drawn from the vision "
+                         "pack (its digit scenes in a fixed random order) instead of the next scenes of the "
+                         "joint pack, where 1 in 8 has a box")
     ap.add_argument("--align-weight", type=float, default=1.0,
                     help="weight of the loss pulling the projector's output per patch onto the pre-staged "
                          "decoder's symbolic image tokens (vision first stage and joint stage; needs "
@@ -683,7 +687,10 @@ def main() -> int:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"[train] {n_params / 1e6:.2f} M parameters, vocab {tok.get_vocab_size()}", file=sys.stderr)
 
-    steps_max = min(args.steps, len(train) // args.batch)
+    if not 0 <= args.joint_digit_scenes < args.batch:
+        raise SystemExit(f"--joint-digit-scenes: expected 0..{args.batch - 1} (less than --batch), got {args.joint_digit_scenes}")
+    joint_pack_batch = args.batch - args.joint_digit_scenes  # scenes per step from the joint pack
+    steps_max = min(args.steps, len(train) // joint_pack_batch)
     vocab_info = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))
     shapes, colors = vocab_info["answers"]["shape"], vocab_info["answers"]["color"]
     word_id = tok.get_vocab()
@@ -789,14 +796,30 @@ def main() -> int:
     sched_lr = lambda step: args.lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / steps_max))
     log, t0, rng = [], time.time(), np.random.default_rng(args.seed)
     order = rng.permutation(len(train))
+    # Digit scenes for the joint stage (--joint-digit-scenes): their own stream, so that with 0 the
+    # joint stage's draws are the shipped recipe's.
+    digit_order = (np.random.default_rng(args.seed + 7).permutation(digit_scene_indices(vision_train))
+                   if args.joint_digit_scenes > 0 else np.zeros(0, dtype=np.int64))
+
+    def joint_batch(step: int):
+        """(images, questions, answers, scenes) of one joint step: the joint pack's next scenes, then
+        --joint-digit-scenes digit scenes of the vision pack (cycling through them)."""
+        idx = order[step * joint_pack_batch:(step + 1) * joint_pack_batch]
+        imgs, qs, ans, _ = train.batch(idx)
+        scenes = train.scenes(idx)
+        if args.joint_digit_scenes > 0 and len(digit_order):
+            n = args.joint_digit_scenes
+            didx = digit_order[np.arange(step * n, (step + 1) * n) % len(digit_order)]
+            d_imgs, d_qs, d_ans, _ = vision_train.batch(didx)
+            imgs, qs, ans = np.concatenate([imgs, d_imgs]), qs + d_qs, ans + d_ans
+            scenes = scenes + vision_train.scenes(didx)
+        return imgs, qs, ans, scenes
     model.train()
     step = 0
     for step in range(steps_max):
         for g in opt.param_groups:
             g["lr"] = sched_lr(step)
-        batch_idx = order[step * args.batch:(step + 1) * args.batch]
-        imgs, qs, ans, _ = train.batch(batch_idx)
-        scenes = train.scenes(batch_idx)
+        imgs, qs, ans, scenes = joint_batch(step)
         items = pooled_targets(scenes, shapes, colors)  # object/box masks: the pooled and align losses share them
         extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns)
                   for sc in scenes]
