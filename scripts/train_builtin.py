@@ -15,16 +15,18 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
         [--steps 300] [--batch 32] [--seed 0] [--work DIR]
 
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
-(docs/BENCHMARKS.md, builtin model, sessions 10-14):
+(docs/BENCHMARKS.md, builtin model, sessions 10-15):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 750 + 3000 steps): the decoder alone
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 1000 steps): the decoder alone
    on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
-   The first 750 steps ask size, position and count questions only: in the full mix the
+   The first 500 steps ask size, position and count questions only: in the full mix the
    decoder never learned to read the side (session 12), and with count there the
-   routing forms by step 1000 of the full mix instead of ~2500 (session 14). Count
-   questions come on the generator's count layouts (zero..five uniform);
+   routing forms within the first 750-1000 steps of the full mix instead of ~2500
+   (session 14). After that the mix plateaus: 1000 full-mix steps gave the images the
+   accuracy 3000 did, in a third of the time (session 15). Count questions come on
+   the generator's count layouts (zero..five uniform);
 2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
    (shape, colour, size, digit); the projector pulled onto the pre-staged
@@ -36,18 +38,20 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    kept on, and extra question/answer turns per image derived from the scene
    layout with the generator's templates, drawn round-robin by kind (the first
    turn is always the generator's own question, in exactly the evaluation format).
+   8 of every batch's 32 scenes have digit boxes (--joint-digit-scenes; 1 in 8
+   otherwise): the projected box features carried the digit (0.7-0.8 read out on
+   evaluation boxes) while the decoder answered 0.36 of the digit questions (session 15).
 
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-14
-the stages took 1047 s (198 + 849), 745 s and 555 s: 39.5 min end to end with packing and
-the held-out checks in session 14 (the session-12 recipe took ~35 min in session 13; this
-host's speed drifts 10-15 %), over issue 3's 30 minutes (the Intel host of sessions 10-11 ran the
-stages ~1.4x faster: ~24 min). Shorter vision and joint stages (est. 27-29.5 min) lost 2.6 and
-8.6 points, bfloat16 matmuls (31.6 min) 5.2 (docs/BENCHMARKS.md, session 13). Writes the checkpoint atomically (temp dir + rename).
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-15
+the stages took 471 s (164 + 307), 677 s and 517 s, 28.4 min end to end with the
+held-out checks and the training packs already in --work (packing them takes ~15 s), within issue 3's 30 minutes (session 15; the
+session-14 recipe, 750 + 3000 pre-stage steps, took 39.5 min there, and this host's speed
+drifts 10-15 % between runs). Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -604,7 +608,7 @@ def main() -> int:
     ap.add_argument("--balanced-turns", action=argparse.BooleanOptionalAction, default=True,
                     help="draw the derived turns round-robin by kind (see derived_turns); uniformly over all "
                          "candidates, relation questions (every pair, four relations) would crowd out the rest")
-    ap.add_argument("--decoder-prestage-steps", type=int, default=3000,
+    ap.add_argument("--decoder-prestage-steps", type=int, default=1000,
                     help="first train the decoder alone on symbolic scenes, one token per object (see "
                          "scripts/decoder_prestage.py; 0 = off)")
     ap.add_argument("--decoder-prestage-batch", type=int, default=64)
@@ -616,7 +620,7 @@ def main() -> int:
     ap.add_argument("--prestage-side-words", action=argparse.BooleanOptionalAction, default=True,
                     help="symbolic image tokens (and the aligned targets) also carry their side in word-embedding "
                          "space (decoder_prestage.PositionTable); with --prestage-position-first")
-    ap.add_argument("--prestage-position-first", type=int, default=750,
+    ap.add_argument("--prestage-position-first", type=int, default=500,
                     help="start the pre-stage with N steps of --prestage-first-kinds questions only: in the full "
                          "mix the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
                          "words, also when continued), started this way it keeps it (0.94) (0 = off)")
@@ -635,7 +639,7 @@ def main() -> int:
     ap.add_argument("--vision-pack", type=int, default=28800,
                     help="samples of builtin:train the vision stage draws from (0 = the joint stage's pack, "
                          "--steps x --batch); the default shows the tower 3599 digit scenes instead of 1181")
-    ap.add_argument("--joint-digit-scenes", type=int, default=0,
+    ap.add_argument("--joint-digit-scenes", type=int, default=8,
                     help="of each joint-stage batch, this many scenes with digit boxes drawn from the vision "
                          "pack (its digit scenes in a fixed random order) instead of the next scenes of the "
                          "joint pack, where 1 in 8 has a box")
