@@ -198,13 +198,15 @@ SHAPE_PLURALS = {"circle": "circles", "square": "squares", "triangle": "triangle
 
 
 def derived_turns(scene: dict, shapes: list[str], colors: list[str], max_count: int,
-                  rng: np.random.Generator, k: int, balanced: bool = False) -> list[tuple[str, str]]:
+                  rng: np.random.Generator, k: int, balanced: bool = False,
+                  first_kind: str | None = None) -> list[tuple[str, str]]:
     """K (question, answer) turns drawn from every question the layout answers unambiguously.
 
     Uniformly over candidates (the shipped recipe), most of them are counts or
     existence checks of absent attributes ("zero"/"no"), which the language prior
     answers; `balanced` draws the kinds round-robin (exist split into yes and no)
-    so the lookups that need the image dominate."""
+    so the lookups that need the image dominate. `first_kind`: that kind's questions
+    come first (up to K of them, in random order), the other turns as above."""
     by_kind = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, relation_margin=16,
                                               sized_color_singles=True).questions(
         decoder_prestage.scene_from_meta(scene))
@@ -216,6 +218,14 @@ def derived_turns(scene: dict, shapes: list[str], colors: list[str], max_count: 
             cands.append((f"exist-{a}" if kind == "exist" else kind, q, a))
     if not cands or k <= 0:
         return []
+    head: list[tuple[str, str]] = []
+    if first_kind is not None:
+        firsts = [c[1:] for c in cands if c[0] == first_kind]
+        head = [firsts[i] for i in rng.permutation(len(firsts))][:k]
+        cands = [c for c in cands if c[0] != first_kind]
+        k -= len(head)
+        if not cands or k <= 0:
+            return head
     if balanced:
         kinds = sorted({kind for kind, _, _ in cands})
         pools = [[c[1:] for c in cands if c[0] == kind] for kind in kinds]
@@ -225,9 +235,9 @@ def derived_turns(scene: dict, shapes: list[str], colors: list[str], max_count: 
             for j in rng.permutation(len(pools)):
                 if pools[j] and len(out) < k:
                     out.append(pools[j].pop())
-        return out
+        return head + out
     pick = rng.choice(len(cands), size=min(k, len(cands)), replace=False)
-    return [cands[i][1:] for i in pick]
+    return head + [cands[i][1:] for i in pick]
 
 
 # Attention guidance (training only). A decoder trained from scratch spends most
@@ -643,6 +653,8 @@ def main() -> int:
                     help="of each joint-stage batch, this many scenes with digit boxes drawn from the vision "
                          "pack (its digit scenes in a fixed random order) instead of the next scenes of the "
                          "joint pack, where 1 in 8 has a box")
+    ap.add_argument("--joint-digit-turns-first", action=argparse.BooleanOptionalAction, default=False,
+                    help="the --joint-digit-scenes' derived turns ask their digit questions first")
     ap.add_argument("--align-weight", type=float, default=1.0,
                     help="weight of the loss pulling the projector's output per patch onto the pre-staged "
                          "decoder's symbolic image tokens (vision first stage and joint stage; needs "
@@ -825,8 +837,10 @@ def main() -> int:
             g["lr"] = sched_lr(step)
         imgs, qs, ans, scenes = joint_batch(step)
         items = pooled_targets(scenes, shapes, colors)  # object/box masks: the pooled and align losses share them
-        extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns)
-                  for sc in scenes]
+        n_pack = len(scenes) - (args.joint_digit_scenes if len(digit_order) else 0)
+        extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns,
+                                first_kind="digit" if i >= n_pack and args.joint_digit_turns_first else None)
+                  for i, sc in enumerate(scenes)]
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)
         guide = args.attn_guide_weight > 0

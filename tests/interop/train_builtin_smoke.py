@@ -47,7 +47,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
            "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1",
            "--readout-weight", "1", "--vision-pack", "12", "--prestage-position-first", "2",
-           "--joint-digit-scenes", "1"]  # the pack's one digit scene (sample 6) joins every joint batch
+           "--joint-digit-scenes", "1", "--joint-digit-turns-first"]  # the pack's one digit scene (sample 6)
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
