@@ -280,9 +280,11 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
   // accuracy 0.875 vs 0.25). The session-15 model spreads its text rows more, and attn_mass
   // no longer separates (clean 0.51-0.77 vs shuffled 0.52-0.69); the entropies and the top-k
   // mass do: tau_align clean 2.25-2.99 vs shuffled 2.95-3.42 nats, tau_norm 0.45-0.60 vs
-  // 0.59-0.69, topk_mass 0.81-0.93 vs 0.70-0.81 (accuracy 0.83 vs 0.17). The gates below
-  // count 3, 2, 0 of the 24 clean samples (4 allowed) and 24, 24, 23 shuffled ones.
-  const std::vector<std::string> gates = {"tau_align>2.90:20%", "tau_norm>0.59:20%", "topk_mass<0.80:20%"};
+  // 0.59-0.69, topk_mass 0.81-0.93 vs 0.70-0.81 (accuracy 0.83 vs 0.17). The session-16
+  // model (joint stage at a higher rate): tau_align clean 2.19-3.10 vs shuffled 2.91-3.38 nats,
+  // tau_norm 0.44-0.62 vs 0.59-0.68, topk_mass 0.79-0.93 vs 0.71-0.80 (accuracy 0.83 vs 0.25).
+  // The gates below count 2, 3, 1 of the 24 clean samples (4 allowed) and 22, 22, 24 shuffled ones.
+  const std::vector<std::string> gates = {"tau_align>2.95:20%", "tau_norm>0.59:20%", "topk_mass<0.80:20%"};
   const auto run = [&](const fs::path& model, const std::string& out) {
     align::DiagnoseOptions o;
     o.session.model = model.string();
