@@ -817,6 +817,9 @@ def main() -> int:
     # joint stage's draws are the shipped recipe's.
     digit_order = (np.random.default_rng(args.seed + 7).permutation(digit_scene_indices(vision_train))
                    if args.joint_digit_scenes > 0 else np.zeros(0, dtype=np.int64))
+    if args.joint_digit_scenes > 0 and not len(digit_order):
+        raise SystemExit(f"--joint-digit-scenes {args.joint_digit_scenes}: the vision pack has no digit scenes "
+                         "(pass --joint-digit-scenes 0 or a larger --vision-pack)")
 
     def joint_batch(step: int):
         """(images, questions, answers, scenes) of one joint step: the joint pack's next scenes, then
@@ -824,7 +827,7 @@ def main() -> int:
         idx = order[step * joint_pack_batch:(step + 1) * joint_pack_batch]
         imgs, qs, ans, _ = train.batch(idx)
         scenes = train.scenes(idx)
-        if args.joint_digit_scenes > 0 and len(digit_order):
+        if args.joint_digit_scenes > 0:
             n = args.joint_digit_scenes
             didx = digit_order[np.arange(step * n, (step + 1) * n) % len(digit_order)]
             d_imgs, d_qs, d_ans, _ = vision_train.batch(didx)
@@ -838,9 +841,8 @@ def main() -> int:
             g["lr"] = sched_lr(step)
         imgs, qs, ans, scenes = joint_batch(step)
         items = pooled_targets(scenes, shapes, colors)  # object/box masks: the pooled and align losses share them
-        n_pack = len(scenes) - (args.joint_digit_scenes if len(digit_order) else 0)
         extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns,
-                                first_kind="digit" if i >= n_pack and args.joint_digit_turns_first else None)
+                                first_kind="digit" if i >= joint_pack_batch and args.joint_digit_turns_first else None)
                   for i, sc in enumerate(scenes)]
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)
