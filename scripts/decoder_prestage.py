@@ -67,6 +67,9 @@ class SymbolicScenes:
     sized_color_singles: bool = False
     # Count questions on the generator's count layouts (count_sample) instead of random scenes.
     count_layouts: bool = False
+    # The relation words asked. With "left of" alone the pre-staged decoder learns relation in
+    # 100 steps; with all four it stays at chance without comparator_targets' probe (session 17).
+    relation_words: tuple[str, ...] = ("left of", "right of", "above", "below")
 
     def scene(self, rng: np.random.Generator) -> dict:
         objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
@@ -144,7 +147,7 @@ class SymbolicScenes:
                     continue
                 for rel, d in (("left of", p["cx"] - o["cx"]), ("right of", o["cx"] - p["cx"]),
                                ("above", p["cy"] - o["cy"]), ("below", o["cy"] - p["cy"])):
-                    if abs(d) >= self.relation_margin:
+                    if abs(d) >= self.relation_margin and rel in self.relation_words:
                         out["relation"].append((f"is the {desc(o)} {rel} the {desc(p)} ?", "yes" if d > 0 else "no"))
         # Lures for "no": colour + shape pairs that are absent (the generator's lures share one attribute).
         absent = [(c, s) for c in self.colors for s in self.shapes
@@ -332,16 +335,43 @@ class PositionTable(torch.nn.Module):
         return self(torch.arange(GRID * GRID), embed_weight)
 
 
-def logits(lm, positions: PositionTable, batch: dict) -> torch.Tensor:
-    """lm: a LlamaModel; the head is tied to its input embeddings. [B, T, vocab]."""
+def logits(lm, positions: PositionTable, batch: dict, hidden_layer: int | None = None):
+    """lm: a LlamaModel; the head is tied to its input embeddings. [B, T, vocab]; with hidden_layer,
+    also that layer's output (hidden_states[hidden_layer]) at each row's answer position, [B, hidden]."""
     embed = lm.get_input_embeddings()
     x = embed(batch["ids"])
     if batch["img_words"].numel():
         w = batch["img_words"]
         feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"], embed.weight)
         x = x.index_put((batch["img_b"], batch["img_t"]), feats)
-    h = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"]).last_hidden_state
-    return h @ embed.weight.T
+    out = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"],
+             output_hidden_states=hidden_layer is not None)
+    head = out.last_hidden_state @ embed.weight.T
+    if hidden_layer is None:
+        return head
+    return head, out.hidden_states[hidden_layer][torch.arange(x.size(0)), batch["answer_pos"]]
+
+
+def comparator_targets(samples) -> torch.Tensor:
+    """[N, 2] per sample: is the second-named object of a relation question right of / below the
+    first (1.0 / 0.0), or -1 where not asked (other kinds, or centres < 6 px apart on that axis).
+
+    A relation answer is the XOR of this comparison and the relation word's polarity ("left of"
+    vs "right of"): neither alone correlates with the answer, so from the answer loss alone the
+    decoder stays at chance on relation questions however long it trains (docs/BENCHMARKS.md,
+    session 17). A probe on the comparison gives the routing to both objects a gradient of its own."""
+    out = torch.full((len(samples), 2), -1.0)
+    for i, (scene, kind, q, _) in enumerate(samples):
+        if kind != "relation":
+            continue
+        words = q.split()  # "is the C S <relation> the C2 S2 ?"
+        find = lambda c, s: next(o for o in scene["objects"] if o["color"] == c and o["shape"] == s)
+        first, second = find(words[2], words[3]), find(words[-3], words[-2])
+        for j, axis in enumerate(("cx", "cy")):
+            d = second[axis] - first[axis]
+            if abs(d) >= 6:
+                out[i, j] = float(d > 0)
+    return out
 
 
 def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
@@ -354,15 +384,24 @@ def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
 
 def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dict[str, int], *, steps: int,
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
-             eval_every: int = 250, held: int = 1024, cooldown: int = 0, log=print) -> list[dict]:
+             eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
+             comparator_layer: int = 2, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
     decaying rate would slow the later kinds; `cooldown` > 0 lowers it linearly to 10 % over the
     last `cooldown` steps. Held-out: first-answer-token accuracy per kind on
-    `held` fixed samples (their own seed, disjoint stream)."""
+    `held` fixed samples (their own seed, disjoint stream).
+
+    comparator_weight > 0: a linear probe on layer `comparator_layer`'s output at the answer
+    position learns comparator_targets of the relation questions (BCE, this weight); the probe is a
+    training aid and is dropped."""
     kinds = kinds or KINDS
     params = list(lm.parameters()) + list(positions.parameters())
+    probe = None
+    if comparator_weight > 0:
+        probe = torch.nn.Linear(lm.config.hidden_size, 2)
+        params += list(probe.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     held_rng, rng = np.random.default_rng(10_000 + seed), np.random.default_rng(seed)
     held_set = [sampler.sample(held_rng, kinds) for _ in range(held)]
@@ -387,10 +426,20 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             g["lr"] = lr * min(1.0, (step + 1) / warmup)
             if step >= steps - cooldown:
                 g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
-        b = collate([sampler.sample(rng, kinds) for _ in range(batch)], word_id)
-        out = logits(lm, positions, b)
+        samples = [sampler.sample(rng, kinds) for _ in range(batch)]
+        b = collate(samples, word_id)
+        if probe is None:
+            out = logits(lm, positions, b)
+        else:
+            out, hidden = logits(lm, positions, b, comparator_layer)
         loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
                                                  ignore_index=-100)
+        if probe is not None:
+            target = comparator_targets(samples)
+            asked = target >= 0
+            if asked.any():
+                loss = loss + comparator_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+                    probe(hidden)[asked], target[asked])
         if not torch.isfinite(loss):
             raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)

@@ -12,6 +12,7 @@ embeddings, the builtin decoder config (4 x 256, GQA).
 
     scripts/experiments/decoder_symbolic_scenes.py [--steps 3000] [--batch 64]
         [--lr 1e-3] [--kinds color,shape,...] [--mimetic ALPHA] [--side-words] [--next-to] [--count-layouts] [--save F]
+        [--init CACHE] [--relation-words W,...] [--comparator-weight W]
 
 Prints held-out first-answer-token accuracy per kind (1024 fixed samples) every
 --eval-every steps. --save writes the decoder ("lm.model.*", tied head as
@@ -79,6 +80,10 @@ def main() -> int:
                          "(decoder_prestage.SymbolicScenes.count_sample)")
     ap.add_argument("--side-words", action="store_true",
                     help="add each token's side in word-embedding space (decoder_prestage.PositionTable)")
+    ap.add_argument("--relation-words", default="left of,right of,above,below",
+                    help="the relation words asked (session 17: \"left of\" alone is learned, all four are not)")
+    ap.add_argument("--comparator-weight", type=float, default=0.0,
+                    help="weight of the probe on relation questions' comparison (decoder_prestage.comparator_targets)")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -96,10 +101,11 @@ def main() -> int:
         import safetensors.torch
         stage = torch.nn.ModuleDict({"decoder": lm.model, "positions": positions})
         stage.load_state_dict(safetensors.torch.load_file(args.init), strict=True)
-    sampler = dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to, count_layouts=args.count_layouts)
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to, count_layouts=args.count_layouts,
+                                 relation_words=tuple(args.relation_words.split(",")))
     dp.pretrain(lm.model, positions, sampler, word_id, steps=args.steps,
                 batch=args.batch, lr=args.lr, seed=args.seed, kinds=args.kinds.split(","),
-                eval_every=args.eval_every, held=args.held)
+                eval_every=args.eval_every, held=args.held, comparator_weight=args.comparator_weight)
     if args.save:
         import safetensors.torch
         safetensors.torch.save_model(torch.nn.ModuleDict({"lm": lm, "row": positions.row, "col": positions.col}),

@@ -17,7 +17,8 @@ readout losses) and checks that
   - the questions the script derives from a scene's layout (the pre-stage's and the
     joint stage's extra turns) answer the generator's own question of every calibration
     scene they cover the same way, and cover nearly all of them (exist: 3 in 4),
-  - the pre-stage's count layouts answer as its question list does, one token per object.
+  - the pre-stage's count layouts answer as its question list does, one token per object,
+  - the pre-stage's comparator targets agree with every relation question's answer.
 Exits 1 with one line per failure.
 """
 
@@ -101,6 +102,36 @@ def count_layout_parity(draws: int = 600) -> list[str]:
     for n in dp.NUMBERS[:6]:
         if not 0.5 / 6 * draws <= answers.count(n) <= 1.5 / 6 * draws:
             out.append(f"count layouts answer {n!r} {answers.count(n)} times in {draws}")
+    return out[:5]
+
+
+def comparator_parity(draws: int = 400) -> list[str]:
+    """decoder_prestage.comparator_targets (the pre-stage's probe on relation questions): on the axis
+    a relation question asks, the comparison XOR the word's polarity is the answer, for each of the
+    four words; other kinds get no target."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS)
+    rng = np.random.default_rng(11)
+    samples = [sampler.sample(rng, ["relation"]) for _ in range(draws)] + [sampler.sample(rng, ["position"])]
+    targets = dp.comparator_targets(samples)
+    # word -> (axis, the target value that means "yes")
+    words = {"left of": (0, 1.0), "right of": (0, 0.0), "above": (1, 1.0), "below": (1, 0.0)}
+    out, seen = [], set()
+    for (_, kind, q, a), t in zip(samples, targets.tolist()):
+        if kind != "relation":
+            if t != [-1.0, -1.0]:
+                out.append(f"comparator target {t} for a {kind} question")
+            continue
+        word = next(w for w in words if f" {w} the " in q)
+        axis, yes = words[word]
+        seen.add(word)
+        if t[axis] < 0 or (t[axis] == yes) != (a == "yes"):
+            out.append(f"comparator target {t} for {q!r} (answer {a!r})")
+    if seen != set(words):
+        out.append(f"relation words drawn: {sorted(seen)}")
     return out[:5]
 
 
@@ -195,6 +226,7 @@ def main() -> int:
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
         failures += count_layout_parity()
+        failures += comparator_parity()
 
     for f in failures:
         print(f"FAIL {f}")
