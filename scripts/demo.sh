@@ -12,7 +12,7 @@ scripts/setup.sh
 cmake --build "$BUILD_DIR" -j "$(nproc)" --target vlmopt
 VLMOPT=$BUILD_DIR/apps/vlmopt/vlmopt
 if [[ ! -f models/builtin/config.json ]]; then
-  echo "[demo] models/builtin is missing: training it (scripts/train_builtin.py, 28-30 min on 2 cores)" >&2
+  echo "[demo] models/builtin is missing: training it (scripts/train_builtin.py, ~30 min on 2 cores)" >&2
   "$(cat .python-path)" scripts/train_builtin.py --vlmopt "$VLMOPT" --out models/builtin
 fi
 "$VLMOPT" inspect builtin

@@ -17,16 +17,19 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
 (docs/BENCHMARKS.md, builtin model, sessions 10-15):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 1000 steps): the decoder alone
-   on symbolic scenes, each object one token made of its words' embeddings plus its
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 250 + 250 steps): the decoder
+   alone on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
    The first 500 steps ask size, position and count questions only: in the full mix the
    decoder never learned to read the side (session 12), and with count there the
    routing forms within the first 750-1000 steps of the full mix instead of ~2500
-   (session 14). After that the mix plateaus: 1000 full-mix steps gave the images the
-   accuracy 3000 did, in a third of the time (session 15). Count questions come on
-   the generator's count layouts (zero..five uniform);
+   (session 14); the mix plateaus after that (session 15). Then 250 steps of relation
+   questions alone, with a probe on the comparison they ask (is the second object right
+   of / below the first): a relation answer is that comparison XOR the word's polarity,
+   which the answer loss alone never started, in any mix or budget; and 250 full-mix
+   steps again for the kinds the relation phase set back (session 17). Count questions
+   come on the generator's count layouts (zero..five uniform);
 2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
    (shape, colour, size, digit); the projector pulled onto the pre-staged
@@ -47,11 +50,11 @@ step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-15
-the stages took 471 s (164 + 307), 677 s and 517 s, 28.4 min end to end with the
-held-out checks and the training packs already in --work (packing them takes ~15 s), within issue 3's 30 minutes (session 15; the
-session-14 recipe, 750 + 3000 pre-stage steps, took 39.5 min there, and this host's speed
-drifts 10-15 % between runs). Writes the checkpoint atomically (temp dir + rename).
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-17
+the stages took 518 s (147 + 230 + 65 + 76), 704 s and 517 s, 29.4 min end to end with the
+held-out checks and the training packs already in --work (packing them takes ~15 s), within
+issue 3's 30 minutes but close to it (session 17; the session-14 recipe, 750 + 3000 pre-stage
+steps, took 39.5 min there, and this host's speed drifts 10-15 % between runs). Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -619,7 +622,7 @@ def main() -> int:
     ap.add_argument("--balanced-turns", action=argparse.BooleanOptionalAction, default=True,
                     help="draw the derived turns round-robin by kind (see derived_turns); uniformly over all "
                          "candidates, relation questions (every pair, four relations) would crowd out the rest")
-    ap.add_argument("--decoder-prestage-steps", type=int, default=1000,
+    ap.add_argument("--decoder-prestage-steps", type=int, default=750,
                     help="first train the decoder alone on symbolic scenes, one token per object (see "
                          "scripts/decoder_prestage.py; 0 = off)")
     ap.add_argument("--decoder-prestage-batch", type=int, default=64)
@@ -647,6 +650,21 @@ def main() -> int:
     ap.add_argument("--prestage-cooldown", type=int, default=0,
                     help="lower the pre-stage's learning rate linearly to 10 %% over its last N full-mix steps "
                          "(0 = constant)")
+    ap.add_argument("--prestage-relation-steps", type=int, default=250,
+                    help="after the full mix, pre-stage steps on relation questions alone with the comparator "
+                         "probe, then --prestage-remix-steps of the full mix again: in the mix the probe did not "
+                         "start relation within 200 steps, alone it reached 0.92 in 300 and the mix then kept "
+                         "it; before the full mix (no colour routing yet) it stayed at chance (session 17). "
+                         "0 = neither phase")
+    ap.add_argument("--prestage-remix-steps", type=int, default=250,
+                    help="full-mix steps after the relation phase, for the kinds it set back")
+    ap.add_argument("--prestage-comparator-weight", type=float, default=1.0,
+                    help="weight of the relation phase's probe on the comparison its questions ask (is the second "
+                         "object right of / below the first; decoder_prestage.comparator_targets): without it "
+                         "relation stays at chance, an XOR the answer loss alone gives no gradient to "
+                         "(session 17); in the full mix it kept the routing from forming. 0 = off")
+    ap.add_argument("--prestage-comparator-layer", type=int, default=2,
+                    help="decoder layer whose output at the answer position the comparator probe reads")
     ap.add_argument("--vision-pack", type=int, default=28800,
                     help="samples of builtin:train the vision stage draws from (0 = the joint stage's pack, "
                          "--steps x --batch); the default shows the tower 3599 digit scenes instead of 1181")
@@ -730,7 +748,8 @@ def main() -> int:
                         f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
                         + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else "")
                         + ("-countlayouts" if args.prestage_count_layouts else "")
-                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else ""))
+                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else "")
+)
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to,
                                                   count_layouts=args.prestage_count_layouts)
@@ -741,12 +760,23 @@ def main() -> int:
             for i, phase in enumerate(phases):
                 entries += [{**e, "phase": i} if len(phases) > 1 else e for e in decoder_prestage.pretrain(
                     decoder, positions, sampler, word_id, batch=args.decoder_prestage_batch,
-                    lr=args.decoder_prestage_lr, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True),
+                    lr=args.decoder_prestage_lr, comparator_layer=args.prestage_comparator_layer, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True),
                     **phase)]
             return entries
 
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
                        held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
+        if args.prestage_relation_steps > 0:
+            # Relation alone once the full mix has formed the routing, then the mix again (see
+            # --prestage-relation-steps); a relation step costs ~0.3 s.
+            phases.append(dict(steps=args.prestage_relation_steps, seed=args.seed + 6,
+                               held=min(512, 16 * args.prestage_relation_steps), kinds=["relation"],
+                               comparator_weight=args.prestage_comparator_weight))
+            if args.prestage_remix_steps > 0:
+                phases.append(dict(steps=args.prestage_remix_steps, seed=args.seed + 8,
+                                   held=min(1024, 16 * args.prestage_remix_steps)))
+            prestage_key += (f"-rel{args.prestage_relation_steps}-remix{args.prestage_remix_steps}"
+                             f"-cmp{args.prestage_comparator_weight}-{args.prestage_comparator_layer}")
         if args.prestage_position_first > 0:
             # Size and position (and count) questions alone first: on their own the decoder learns to
             # read the side (session 12), which in the full mix it never does. The key keeps its
