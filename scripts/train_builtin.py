@@ -755,8 +755,7 @@ def main() -> int:
                         f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
                         + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else "")
                         + ("-countlayouts" if args.prestage_count_layouts else "")
-                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else "")
-)
+                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else ""))
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to,
                                                   count_layouts=args.prestage_count_layouts)
@@ -783,9 +782,10 @@ def main() -> int:
                                    kinds=["relation"], comparator_weight=args.prestage_comparator_weight,
                                    sampler=dataclasses.replace(sampler, relation_words=("left of", "right of"))))
                 prestage_key += f"-hfirst{horizontal}"
-            phases.append(dict(steps=args.prestage_relation_steps - horizontal, seed=args.seed + 6,
-                               held=min(512, 16 * args.prestage_relation_steps), kinds=["relation"],
-                               comparator_weight=args.prestage_comparator_weight))
+            if args.prestage_relation_steps > horizontal:
+                phases.append(dict(steps=args.prestage_relation_steps - horizontal, seed=args.seed + 6,
+                                   held=min(512, 16 * args.prestage_relation_steps), kinds=["relation"],
+                                   comparator_weight=args.prestage_comparator_weight))
             if args.prestage_remix_steps > 0:
                 phases.append(dict(steps=args.prestage_remix_steps, seed=args.seed + 8,
                                    held=min(1024, 16 * args.prestage_remix_steps)))
