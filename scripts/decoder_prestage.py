@@ -29,6 +29,7 @@ scripts/experiments/decoder_symbolic_scenes.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ GRID = CANVAS // PATCH
 KINDS = ["color", "shape", "count", "exist", "position", "relation", "size", "digit"]
 NUMBERS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
 CLEAR_MARGIN = 14  # px from the centre line, as the generator's position questions
+RELATION_WORDS = ("left of", "right of", "above", "below")
+HORIZONTAL_WORDS, VERTICAL_WORDS = RELATION_WORDS[:2], RELATION_WORDS[2:]
 
 
 def article(word: str) -> str:
@@ -69,7 +72,11 @@ class SymbolicScenes:
     count_layouts: bool = False
     # The relation words asked. With "left of" alone the pre-staged decoder learns relation in
     # 100 steps; with all four it stays at chance without comparator_targets' probe (session 17).
-    relation_words: tuple[str, ...] = ("left of", "right of", "above", "below")
+    relation_words: tuple[str, ...] = RELATION_WORDS
+    # When set, each draw asks the horizontal words with this probability and the vertical ones
+    # otherwise (relation_words is then ignored). With the four words drawn evenly one axis's
+    # comparison forms first and the other may not form at all within the phase (session 18).
+    horizontal_share: float | None = None
 
     def scene(self, rng: np.random.Generator) -> dict:
         objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
@@ -197,6 +204,9 @@ class SymbolicScenes:
 
     def sample(self, rng: np.random.Generator, kinds: list[str]) -> tuple[dict, str, str, str]:
         """A kind drawn uniformly, then a scene that has a question of that kind."""
+        if self.horizontal_share is not None:
+            words = HORIZONTAL_WORDS if rng.random() < self.horizontal_share else VERTICAL_WORDS
+            return dataclasses.replace(self, relation_words=words, horizontal_share=None).sample(rng, kinds)
         kind = kinds[rng.integers(len(kinds))]
         if kind == "count" and self.count_layouts:
             return self.count_sample(rng)
@@ -385,7 +395,8 @@ def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
 def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dict[str, int], *, steps: int,
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
              eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
-             comparator_layer: int = 2, log=print) -> list[dict]:
+             comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
+             log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -395,7 +406,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
 
     comparator_weight > 0: a linear probe on layer `comparator_layer`'s output at the answer
     position learns comparator_targets of the relation questions (BCE, this weight); the probe is a
-    training aid and is dropped."""
+    training aid and is dropped. comparator_axis_weights weigh its horizontal and vertical targets
+    (a weighted mean over the asked ones): the axis weighted up forms first (session 18)."""
     kinds = kinds or KINDS
     params = list(lm.parameters()) + list(positions.parameters())
     probe = None
@@ -438,8 +450,10 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             target = comparator_targets(samples)
             asked = target >= 0
             if asked.any():
-                loss = loss + comparator_weight * torch.nn.functional.binary_cross_entropy_with_logits(
-                    probe(hidden)[asked], target[asked])
+                weight = torch.tensor(comparator_axis_weights).expand_as(target)[asked]
+                bce = torch.nn.functional.binary_cross_entropy_with_logits(probe(hidden)[asked], target[asked],
+                                                                           reduction="none")
+                loss = loss + comparator_weight * (weight * bce).sum() / weight.sum()
         if not torch.isfinite(loss):
             raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)

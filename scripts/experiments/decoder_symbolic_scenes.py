@@ -12,12 +12,16 @@ embeddings, the builtin decoder config (4 x 256, GQA).
 
     scripts/experiments/decoder_symbolic_scenes.py [--steps 3000] [--batch 64]
         [--lr 1e-3] [--kinds color,shape,...] [--mimetic ALPHA] [--side-words] [--next-to] [--count-layouts] [--save F]
-        [--init CACHE] [--relation-words W,...] [--comparator-weight W]
+        [--init CACHE] [--relation-words W,...] [--comparator-weight W] [--horizontal-share P]
+        [--comparator-axis-weights WX,WY] [--save-stage F]
 
 Prints held-out first-answer-token accuracy per kind (1024 fixed samples) every
 --eval-every steps. --save writes the decoder ("lm.model.*", tied head as
 "lm.lm_head.weight") and the position embeddings ("row.weight", "col.weight"),
-which decoder_oracle_features.py --init-symbolic reads.
+which decoder_oracle_features.py --init-symbolic reads; --save-stage writes the
+format of train_builtin.py's pre-stage cache, which --init reads (to chain phases).
+At the end it prints relation accuracy per relation word (1024 fixed relation
+questions, the four words).
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,6 +65,23 @@ def mimetic_init(lm: LlamaForCausalLM, alpha: float) -> None:
             att.q_proj.weight.copy_(q_w + 0.02 * torch.randn_like(q_w))
 
 
+def relation_by_word(decoder, positions: dp.PositionTable, word_id: dict[str, int], count_layouts: bool,
+                     n: int = 1024) -> dict[str, float]:
+    """First-answer-token accuracy on n fixed relation questions (the four words), per word."""
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, PLURALS, False, count_layouts=count_layouts)
+    rng = np.random.default_rng(123)
+    held = [sampler.sample(rng, ["relation"]) for _ in range(n)]
+    acc: dict[str, list[bool]] = {}
+    decoder.eval()
+    with torch.no_grad():
+        for i in range(0, n, 256):
+            b = dp.collate(held[i:i + 256], word_id)
+            pred = dp.logits(decoder, positions, b)[torch.arange(len(held[i:i + 256])), b["answer_pos"]].argmax(-1)
+            for (_, _, q, _), ok in zip(held[i:i + 256], (pred == b["answer"]).tolist()):
+                acc.setdefault(next(w for w in dp.RELATION_WORDS if f" {w} the " in q), []).append(ok)
+    return {w: round(float(np.mean(v)), 3) for w, v in sorted(acc.items())}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3000)
@@ -84,6 +106,12 @@ def main() -> int:
                     help="the relation words asked (session 17: \"left of\" alone is learned, all four are not)")
     ap.add_argument("--comparator-weight", type=float, default=0.0,
                     help="weight of the probe on relation questions' comparison (decoder_prestage.comparator_targets)")
+    ap.add_argument("--horizontal-share", type=float, default=None,
+                    help="draw \"left of\" / \"right of\" with this probability, else \"above\" / \"below\" "
+                         "(SymbolicScenes.horizontal_share; overrides --relation-words)")
+    ap.add_argument("--comparator-axis-weights", default="1,1",
+                    help="the probe's horizontal,vertical target weights (session 18: the axis weighted up forms first)")
+    ap.add_argument("--save-stage", default=None, help="write the decoder and positions as train_builtin's cache")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -102,10 +130,16 @@ def main() -> int:
         stage = torch.nn.ModuleDict({"decoder": lm.model, "positions": positions})
         stage.load_state_dict(safetensors.torch.load_file(args.init), strict=True)
     sampler = dp.SymbolicScenes(SHAPES, COLORS, PLURALS, args.next_to, count_layouts=args.count_layouts,
-                                 relation_words=tuple(args.relation_words.split(",")))
+                                 relation_words=tuple(args.relation_words.split(",")),
+                                 horizontal_share=args.horizontal_share)
     dp.pretrain(lm.model, positions, sampler, word_id, steps=args.steps,
                 batch=args.batch, lr=args.lr, seed=args.seed, kinds=args.kinds.split(","),
-                eval_every=args.eval_every, held=args.held, comparator_weight=args.comparator_weight)
+                eval_every=args.eval_every, held=args.held, comparator_weight=args.comparator_weight,
+                comparator_axis_weights=tuple(float(w) for w in args.comparator_axis_weights.split(",")))
+    print(json.dumps({"relation_by_word": relation_by_word(lm.model, positions, word_id, args.count_layouts)}))
+    if args.save_stage:
+        import safetensors.torch
+        safetensors.torch.save_model(torch.nn.ModuleDict({"decoder": lm.model, "positions": positions}), args.save_stage)
     if args.save:
         import safetensors.torch
         safetensors.torch.save_model(torch.nn.ModuleDict({"lm": lm, "row": positions.row, "col": positions.col}),
