@@ -17,18 +17,21 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
 (docs/BENCHMARKS.md, builtin model, sessions 10-15):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 250 + 250 steps): the decoder
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 350 + 250 steps): the decoder
    alone on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
    The first 500 steps ask size, position and count questions only: in the full mix the
    decoder never learned to read the side (session 12), and with count there the
    routing forms within the first 750-1000 steps of the full mix instead of ~2500
-   (session 14); the mix plateaus after that (session 15). Then 250 steps of relation
+   (session 14); the mix plateaus after that (session 15). Then 350 steps of relation
    questions alone, with a probe on the comparison they ask (is the second object right
    of / below the first): a relation answer is that comparison XOR the word's polarity,
-   which the answer loss alone never started, in any mix or budget; and 250 full-mix
-   steps again for the kinds the relation phase set back (session 17). Count questions
+   which the answer loss alone never started, in any mix or budget (session 17). The
+   steps lean first on the horizontal words, then on the vertical ones, then take all
+   four evenly: evenly from the start, only the vertical comparison formed (session 18).
+   Then 250 full-mix steps again for the kinds the relation phases set back, the probe on
+   at a fifth of its weight so that the mix keeps the comparisons. Count questions
    come on the generator's count layouts (zero..five uniform);
 2. vision stage (1000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
@@ -50,11 +53,15 @@ step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-17
-the stages took 518 s (147 + 230 + 65 + 76), 704 s and 517 s, 29.4 min end to end with the
-held-out checks and the training packs already in --work (packing them takes ~15 s), within
-issue 3's 30 minutes but close to it (session 17; the session-14 recipe, 750 + 3000 pre-stage
-steps, took 39.5 min there, and this host's speed drifts 10-15 % between runs). Writes the checkpoint atomically (temp dir + rename).
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-18
+the stages took 604 s (160 + 257 + 50 + 27 + 30 + 79), 768 s and 594 s: 33.2 min end to end,
+counting the held-out checks, with the training packs already in --work (packing them takes
+~15 s; session 18).
+- On that day the host ran ~10 % slower than in session 17: the phases shared with session 17's
+  recipe took 9-12 % longer.
+- At session 17's speed this is ~30 min, at issue 3's limit. Session 17's recipe took 29.4 min
+  then.
+- The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host. Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -474,7 +481,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if step % 50 == 0 or step == args.vision_steps - 1:
+        if step % 100 == 0 or step == args.vision_steps - 1:  # a check costs ~1 s (256 images)
             with torch.no_grad():
                 tower.eval()
                 imgs, *_ = held.batch(held_idx)
@@ -489,6 +496,25 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
             log.append(entry)
             print(f"[train] {json.dumps(entry)}", file=sys.stderr, flush=True)
     return log
+
+
+# Relation phase kinds of --prestage-relation-schedule: (share of horizontal-word draws, or None for
+# the four words evenly; the comparator probe's horizontal and vertical target weights).
+RELATION_AXES = {"h": (0.8, (3.0, 1.0)), "v": (0.2, (1.0, 3.0)), "all": (None, (1.0, 1.0))}
+
+
+def parse_relation_schedule(text: str) -> list[tuple[float | None, tuple[float, float], int]]:
+    """"h200,v150,all100" -> [(share, axis weights, steps), ...]; "" -> []."""
+    phases = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        axis = item.rstrip("0123456789")
+        steps = item[len(axis):]
+        if axis not in RELATION_AXES or not steps or int(steps) <= 0:
+            raise SystemExit(f"--prestage-relation-schedule: expected AXIS+STEPS with AXIS one of "
+                             f"{sorted(RELATION_AXES)} and STEPS > 0, got {item!r}")
+        share, weights = RELATION_AXES[axis]
+        phases.append((share, weights, int(steps)))
+    return phases
 
 
 def aligned_weight(args, name: str) -> float:
@@ -651,20 +677,22 @@ def main() -> int:
     ap.add_argument("--prestage-cooldown", type=int, default=0,
                     help="lower the pre-stage's learning rate linearly to 10 %% over its last N full-mix steps "
                          "(0 = constant)")
-    ap.add_argument("--prestage-relation-steps", type=int, default=250,
-                    help="after the full mix, pre-stage steps on relation questions alone with the comparator "
-                         "probe, then --prestage-remix-steps of the full mix again: in the mix the probe did not "
-                         "start relation within 200 steps, alone it reached 0.92 in 300 and the mix then kept "
-                         "it; before the full mix (no colour routing yet) it stayed at chance (session 17). "
-                         "0 = neither phase")
-    ap.add_argument("--prestage-relation-horizontal-first", type=int, default=0,
-                    help="of the relation steps, the first N ask \"left of\" / \"right of\" only. With all four "
-                         "words the vertical comparison forms first and 250 steps ended before the horizontal one "
-                         "did (eval: above/below 0.95-0.97, left of/right of 0.50-0.52). 125 helped in an ad-hoc "
-                         "symbolic run (relation 0.66 -> 0.86) but not in the recipe (pre-stage relation 0.49; "
-                         "session 17), so it is off")
+    ap.add_argument("--prestage-relation-schedule", default="h150,v100,all100",
+                    help="after the full mix, phases of relation questions alone with the comparator probe, "
+                         "then --prestage-remix-steps of the full mix again (comma-separated AXIS+STEPS; \"\" = "
+                         "neither). hN: N steps asking \"left of\" / \"right of\" 4 times in 5 and weighing the "
+                         "probe's horizontal target 3:1; vN: the same for \"above\" / \"below\"; allN: the four "
+                         "words evenly. In the mix the probe did not start relation within 200 steps, alone it "
+                         "reached 0.92 in 300 (session 17); with the four words evenly the vertical comparison "
+                         "formed and the horizontal one did not (eval: left of / right of 0.50-0.52), while "
+                         "h150,v100,all100 formed both (0.88-0.94 per word on symbolic scenes; session 18)")
     ap.add_argument("--prestage-remix-steps", type=int, default=250,
-                    help="full-mix steps after the relation phase, for the kinds it set back")
+                    help="full-mix steps after the relation phases, for the kinds they set back")
+    ap.add_argument("--prestage-remix-comparator-weight", type=float, default=0.2,
+                    help="weight of the comparator probe in the remix: without it the remix erased formed "
+                         "comparisons (per word 0.88-0.94 -> 0.55-0.78), at the relation phases' 1.0 it kept "
+                         "colour, shape and size from recovering (held-out 0.68), at 0.2 relation held at 0.75-0.93 "
+                         "per word and the rest recovered (held-out 0.83; session 18). 0 = off")
     ap.add_argument("--prestage-comparator-weight", type=float, default=1.0,
                     help="weight of the relation phase's probe on the comparison its questions ask (is the second "
                          "object right of / below the first; decoder_prestage.comparator_targets): without it "
@@ -773,24 +801,22 @@ def main() -> int:
 
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
                        held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
-        if args.prestage_relation_steps > 0:
+        relation_phases = parse_relation_schedule(args.prestage_relation_schedule)
+        if relation_phases:
             # Relation alone once the full mix has formed the routing, then the mix again (see
-            # --prestage-relation-steps); a relation step costs ~0.3 s.
-            horizontal = min(args.prestage_relation_horizontal_first, args.prestage_relation_steps)
-            if horizontal > 0:
-                phases.append(dict(steps=horizontal, seed=args.seed + 10, held=min(512, 16 * horizontal),
+            # --prestage-relation-schedule); a relation step costs ~0.3 s.
+            for i, (share, axis_weights, steps) in enumerate(relation_phases):
+                phases.append(dict(steps=steps, seed=args.seed + 6 + 10 * i, held=min(512, 16 * steps),
                                    kinds=["relation"], comparator_weight=args.prestage_comparator_weight,
-                                   sampler=dataclasses.replace(sampler, relation_words=("left of", "right of"))))
-                prestage_key += f"-hfirst{horizontal}"
-            if args.prestage_relation_steps > horizontal:
-                phases.append(dict(steps=args.prestage_relation_steps - horizontal, seed=args.seed + 6,
-                                   held=min(512, 16 * args.prestage_relation_steps), kinds=["relation"],
-                                   comparator_weight=args.prestage_comparator_weight))
+                                   comparator_axis_weights=axis_weights,
+                                   sampler=dataclasses.replace(sampler, horizontal_share=share)))
+            remix_probe = args.prestage_remix_comparator_weight
             if args.prestage_remix_steps > 0:
                 phases.append(dict(steps=args.prestage_remix_steps, seed=args.seed + 8,
-                                   held=min(1024, 16 * args.prestage_remix_steps)))
-            prestage_key += (f"-rel{args.prestage_relation_steps}-remix{args.prestage_remix_steps}"
-                             f"-cmp{args.prestage_comparator_weight}-{args.prestage_comparator_layer}")
+                                   held=min(1024, 16 * args.prestage_remix_steps), comparator_weight=remix_probe))
+            prestage_key += (f"-rel{args.prestage_relation_schedule.replace(',', '+')}-remix{args.prestage_remix_steps}"
+                             f"-cmp{args.prestage_comparator_weight}-{args.prestage_comparator_layer}"
+                             + (f"-remixcmp{remix_probe}" if remix_probe else ""))
         if args.prestage_position_first > 0:
             # Size and position (and count) questions alone first: on their own the decoder learns to
             # read the side (session 12), which in the full mix it never does. The key keeps its

@@ -48,7 +48,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
            "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1",
            "--readout-weight", "1", "--vision-pack", "12", "--prestage-position-first", "2",
-           "--joint-digit-scenes", "1", "--joint-digit-turns-first"]  # the pack's one digit scene (sample 6)
+           "--joint-digit-scenes", "1", "--joint-digit-turns-first",
+           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-remix-steps", "1"]  # the pack's one digit scene (sample 6)
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -132,6 +133,34 @@ def comparator_parity(draws: int = 400) -> list[str]:
             out.append(f"comparator target {t} for {q!r} (answer {a!r})")
     if seen != set(words):
         out.append(f"relation words drawn: {sorted(seen)}")
+    return out[:5]
+
+
+def relation_schedule_draws(draws: int = 500) -> list[str]:
+    """--prestage-relation-schedule: each phase kind draws the horizontal words at its share
+    (SymbolicScenes.horizontal_share), and a malformed schedule is refused."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import dataclasses
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS)
+    out = []
+    phases = tb.parse_relation_schedule("h1,v2,all3")
+    if [steps for *_, steps in phases] != [1, 2, 3]:
+        out.append(f"schedule h1,v2,all3 parsed as {phases}")
+    for (share, _, _), expected in zip(phases, (0.8, 0.2, 0.5)):
+        rng = np.random.default_rng(13)
+        drawn = [dataclasses.replace(sampler, horizontal_share=share).sample(rng, ["relation"]) for _ in range(draws)]
+        horizontal = sum(any(f" {w} the " in q for w in dp.HORIZONTAL_WORDS) for _, _, q, _ in drawn) / draws
+        if abs(horizontal - expected) > 0.08:
+            out.append(f"horizontal share {share}: {horizontal:.2f} of the relation questions ask left of / right of")
+    for bad in ("x5", "h", "h0", "v-3"):
+        try:
+            tb.parse_relation_schedule(bad)
+            out.append(f"schedule {bad!r} accepted")
+        except SystemExit:
+            pass
     return out[:5]
 
 
@@ -227,6 +256,7 @@ def main() -> int:
         failures += vision_tap_parity(first)
         failures += count_layout_parity()
         failures += comparator_parity()
+        failures += relation_schedule_draws()
 
     for f in failures:
         print(f"FAIL {f}")
