@@ -59,6 +59,8 @@ counting the held-out checks, with the training packs already in --work (packing
 ~15 s; session 18).
 - On that day the host ran ~10 % slower than in session 17: the phases shared with session 17's
   recipe took 9-12 % longer.
+- A second fresh run an hour later gave the same weights byte for byte and took 35.1 min.
+  Both runs are over issue 3's limit.
 - At session 17's speed this is ~30 min, at issue 3's limit. Session 17's recipe took 29.4 min
   then.
 - The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host. Writes the checkpoint atomically (temp dir + rename).
