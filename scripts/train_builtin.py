@@ -63,7 +63,9 @@ counting the held-out checks, with the training packs already in --work (packing
   Both runs are over issue 3's limit.
 - At session 17's speed this is ~30 min, at issue 3's limit. Session 17's recipe took 29.4 min
   then.
-- The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host. Writes the checkpoint atomically (temp dir + rename).
+- The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host.
+
+Writes the checkpoint atomically (temp dir + rename).
 """
 from __future__ import annotations
 
@@ -770,6 +772,7 @@ def main() -> int:
     if args.align_weight > 0 and args.decoder_prestage_steps <= 0:
         raise SystemExit("--align-weight needs --decoder-prestage-steps > 0, the space it aligns to "
                          "(pass --align-weight 0 without a pre-stage)")
+    relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
     unknown = sorted(set(args.prestage_first_kinds.split(",")) - set(decoder_prestage.KINDS))
     if unknown:
         raise SystemExit(f"--prestage-first-kinds: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
@@ -803,7 +806,6 @@ def main() -> int:
 
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
                        held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
-        relation_phases = parse_relation_schedule(args.prestage_relation_schedule)
         if relation_phases:
             # Relation alone once the full mix has formed the routing, then the mix again (see
             # --prestage-relation-schedule); a relation step costs ~0.3 s.
