@@ -384,6 +384,21 @@ def comparator_targets(samples) -> torch.Tensor:
     return out
 
 
+COUNT_THRESHOLDS = 5  # "more than k" for k = 0..4: the generator's counts are zero..five
+
+
+def count_targets(samples) -> torch.Tensor:
+    """[N, COUNT_THRESHOLDS] per sample: is the count a count question asks more than k (1.0 / 0.0),
+    or -1 for the other kinds. An ordinal target: the answer loss treats "four" and "five" as
+    unrelated classes, this one asks for a feature that grows with the number of matches."""
+    out = torch.full((len(samples), COUNT_THRESHOLDS), -1.0)
+    for i, (_, kind, _, answer) in enumerate(samples):
+        if kind == "count":
+            n = NUMBERS.index(answer)
+            out[i] = (torch.arange(COUNT_THRESHOLDS) < n).float()
+    return out
+
+
 def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
     pred = out[torch.arange(out.size(0)), batch["answer_pos"]].argmax(-1)
     acc: dict[str, list[int]] = {}
@@ -396,7 +411,7 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
              eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
              comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
-             log=print) -> list[dict]:
+             count_weight: float = 0.0, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -407,13 +422,19 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
     comparator_weight > 0: a linear probe on layer `comparator_layer`'s output at the answer
     position learns comparator_targets of the relation questions (BCE, this weight); the probe is a
     training aid and is dropped. comparator_axis_weights weigh its horizontal and vertical targets
-    (a weighted mean over the asked ones): the axis weighted up forms first (session 18)."""
+    (a weighted mean over the asked ones): the axis weighted up forms first (session 18).
+
+    count_weight > 0: a second probe on the same layer and position learns count_targets of the
+    count questions (ordinal: one BCE per threshold "more than k", k = 0..4; this weight)."""
     kinds = kinds or KINDS
     params = list(lm.parameters()) + list(positions.parameters())
-    probe = None
+    probe = count_probe = None
     if comparator_weight > 0:
         probe = torch.nn.Linear(lm.config.hidden_size, 2)
         params += list(probe.parameters())
+    if count_weight > 0:
+        count_probe = torch.nn.Linear(lm.config.hidden_size, COUNT_THRESHOLDS)
+        params += list(count_probe.parameters())
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     held_rng, rng = np.random.default_rng(10_000 + seed), np.random.default_rng(seed)
     held_set = [sampler.sample(held_rng, kinds) for _ in range(held)]
@@ -440,7 +461,7 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
                 g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
         samples = [sampler.sample(rng, kinds) for _ in range(batch)]
         b = collate(samples, word_id)
-        if probe is None:
+        if probe is None and count_probe is None:
             out = logits(lm, positions, b)
         else:
             out, hidden = logits(lm, positions, b, comparator_layer)
@@ -454,6 +475,12 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
                 bce = torch.nn.functional.binary_cross_entropy_with_logits(probe(hidden)[asked], target[asked],
                                                                            reduction="none")
                 loss = loss + comparator_weight * (weight * bce).sum() / weight.sum()
+        if count_probe is not None:
+            target = count_targets(samples)
+            asked = (target >= 0).all(-1)
+            if asked.any():
+                loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+                    count_probe(hidden)[asked], target[asked])
         if not torch.isfinite(loss):
             raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)

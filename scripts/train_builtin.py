@@ -12,7 +12,7 @@ HDF5 pack and reads it with h5py. The vocabulary of the WordLevel tokenizer is
 the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 
     scripts/train_builtin.py --vlmopt build/apps/vlmopt/vlmopt [--out models/builtin]
-        [--steps 300] [--batch 32] [--seed 0] [--work DIR]
+        [--steps 250] [--batch 32] [--seed 0] [--work DIR]
 
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
 (docs/BENCHMARKS.md, builtin model, sessions 10-15):
@@ -40,7 +40,7 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    and box's words read out of its mean projected feature through the decoder's
    embeddings (--readout-weight: without it the projected box features carried
    the digit at chance although the tower had it);
-3. joint stage (300 steps): everything on the answers, with the stage-2 losses
+3. joint stage (250 steps): everything on the answers, with the stage-2 losses
    kept on, and extra question/answer turns per image derived from the scene
    layout with the generator's templates, drawn round-robin by kind (the first
    turn is always the generator's own question, in exactly the evaluation format).
@@ -48,21 +48,25 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    otherwise): the projected box features carried the digit (0.7-0.8 read out on
    evaluation boxes) while the decoder answered 0.36 of the digit questions (session 15).
 
+The vision and joint stages run their forward passes under bf16 autocast (--precision bf16;
+the weights, gradients, optimizer state and checkpoint stay float32): 18 % and 25 % faster
+on this host's AVX512-BF16 cores, at the same accuracy (session 19). The pre-stage stays
+float32: bf16 barely sped its short sequences up, and under the changed rounding its digit
+routing did not form.
+
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
 the session-11 model does not come out of the session-12 host); stages 1 and 2 are cached in --work
 (safetensors, keyed by their arguments and decoder_prestage.py's hash), and a
-cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-18
-the stages took 604 s (160 + 257 + 50 + 27 + 30 + 79), 768 s and 594 s: 33.2 min end to end,
-counting the held-out checks, with the training packs already in --work (packing them takes
-~15 s; session 18).
-- On that day the host ran ~10 % slower than in session 17: the phases shared with session 17's
-  recipe took 9-12 % longer.
-- A second fresh run an hour later gave the same weights byte for byte and took 35.1 min.
-  Both runs are over issue 3's limit.
-- At session 17's speed this is ~30 min, at issue 3's limit. Session 17's recipe took 29.4 min
-  then.
+cached stage gives byte-identical weights. On the 2-core AMD EPYC host of sessions 12-19
+the stages took 590 s (169 + 238 + 42 + 27 + 28 + 77, float32), 629 s and 329 s: 26.2 min end
+to end, counting the held-out checks and packing the joint stage's 8000 scenes (~15 s), with
+the vision stage's pack already in --work (session 19).
+- A second fresh run an hour and a half later gave the same weights byte for byte and took
+  28.4 min (626 s, 657 s, 387 s): this host's speed swings ~10 % within an hour.
+- Session 18's float32 recipe (300 joint steps) took 33-35 min on the same host, over issue 3's
+  30 minutes.
 - The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host.
 
 Writes the checkpoint atomically (temp dir + rename).
@@ -473,15 +477,16 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         idx = np.unique(np.concatenate([rng.choice(len(train), size=args.vision_batch - digits, replace=False),
                                         rng.choice(digit_idx, size=digits, replace=False)]))
         imgs, *_ = train.batch(idx)
-        tower(pixel_values=to_pixels(imgs))
         scenes = train.scenes(idx)
         items = pooled_targets(scenes, shapes, colors)
-        losses, accs = pooled_losses(tap.value[:, 1:, :], items, heads)
-        loss = sum(losses.values()) / len(losses)
-        if align is not None:
-            aligned = align(tap.value[:, 1:, :], scenes, items)
-            losses.update(aligned)
-            loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
+        with autocast(args):
+            tower(pixel_values=to_pixels(imgs))
+            losses, accs = pooled_losses(tap.value[:, 1:, :], items, heads)
+            loss = sum(losses.values()) / len(losses)
+            if align is not None:
+                aligned = align(tap.value[:, 1:, :], scenes, items)
+                losses.update(aligned)
+                loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -519,6 +524,11 @@ def parse_relation_schedule(text: str) -> list[tuple[float | None, tuple[float, 
         share, weights = RELATION_AXES[axis]
         phases.append((share, weights, int(steps)))
     return phases
+
+
+def autocast(args):
+    """The training forward passes' autocast context (--precision)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
 def aligned_weight(args, name: str) -> float:
@@ -595,19 +605,34 @@ def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None,
     return correct / max(total, 1), {k: round(c / t, 4) for k, (c, t) in sorted(by_type.items())}
 
 
+RNG_STATE_KEY = "__torch_rng_state__"  # in a cached stage's safetensors, next to the weights
+
+
 def cached_stage(work: Path, key: str, stage: torch.nn.Module, what: str, train) -> list[dict]:
     """Loads `stage`'s weights and log from --work/<key>.*, or runs train() (-> log entries) and
     stores both there: log first, weights last via temp + rename, so the weights' presence means
-    the entry is complete (safetensors, no pickle)."""
+    the entry is complete (safetensors, no pickle).
+
+    The file also holds torch's global RNG state as train() left it, and loading restores it:
+    a stage that draws from that RNG (the pre-stage's probes) would otherwise leave the next
+    stage's initial weights depending on whether this one came from the cache. A file without
+    the state (written before session 19) counts as a miss."""
     cache = work / f"{key}.safetensors"
     if cache.exists():
-        stage.load_state_dict(safetensors.torch.load_file(cache), strict=True)
-        print(f"[train] {what} from {cache}", file=sys.stderr)
-        return json.loads((work / f"{key}.json").read_text())
+        tensors = safetensors.torch.load_file(cache)
+        rng_state = tensors.pop(RNG_STATE_KEY, None)
+        if rng_state is not None:
+            stage.load_state_dict(tensors, strict=True)
+            torch.set_rng_state(rng_state)
+            print(f"[train] {what} from {cache}", file=sys.stderr)
+            return json.loads((work / f"{key}.json").read_text())
+        print(f"[train] {cache} holds no RNG state (an older cache): training the {what} again", file=sys.stderr)
     log = train()
     (work / f"{key}.json").write_text(json.dumps(log))
     partial = cache.with_suffix(".partial")
-    safetensors.torch.save_file({k: v.contiguous() for k, v in stage.state_dict().items()}, partial)
+    tensors = {k: v.contiguous() for k, v in stage.state_dict().items()}
+    tensors[RNG_STATE_KEY] = torch.get_rng_state()
+    safetensors.torch.save_file(tensors, partial)
     os.replace(partial, cache)
     return log
 
@@ -616,7 +641,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vlmopt", required=True, help="path to the vlmopt binary (dataset generator)")
     ap.add_argument("--out", default="models/builtin")
-    ap.add_argument("--steps", type=int, default=300,
+    ap.add_argument("--steps", type=int, default=250,
                     help="joint-stage optimizer steps (each sees --batch new samples)")
     ap.add_argument("--batch", type=int, default=32)
     # From scratch (no pre-stages), 5e-4 was the stable rate (1e-3 and 1.5e-3 stayed at the
@@ -627,6 +652,10 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16",
+                    help="bf16: the vision and joint stages' forward passes and losses run under CPU autocast to "
+                         "bfloat16 (weights, gradients and optimizer state stay float32, and so does the "
+                         "checkpoint); the decoder pre-stage always runs in float32")
     ap.add_argument("--work", default=None, help="scratch dir for the packs (default: a temp dir)")
     ap.add_argument("--extra-turns", type=int, default=3,
                     help="question/answer turns derived from each training scene's layout, appended after its own")
@@ -692,6 +721,10 @@ def main() -> int:
                          "h150,v100,all100 formed both (0.88-0.94 per word on symbolic scenes; session 18)")
     ap.add_argument("--prestage-remix-steps", type=int, default=250,
                     help="full-mix steps after the relation phases, for the kinds they set back")
+    ap.add_argument("--prestage-remix-digit-weight", type=int, default=1,
+                    help="in the remix, digit questions are drawn this many times as often as each other kind "
+                         "(1 = evenly): evenly, the two-box form (\"which digit is in the left box ?\") stayed at "
+                         "0.38 on symbolic scenes, at 5 it reached 0.70 within the remix (session 19)")
     ap.add_argument("--prestage-remix-comparator-weight", type=float, default=0.2,
                     help="weight of the comparator probe in the remix: without it the remix erased formed "
                          "comparisons (per word 0.88-0.94 -> 0.55-0.78), at the relation phases' 1.0 it kept "
@@ -702,6 +735,9 @@ def main() -> int:
                          "object right of / below the first; decoder_prestage.comparator_targets): without it "
                          "relation stays at chance, an XOR the answer loss alone gives no gradient to "
                          "(session 17); in the full mix it kept the routing from forming. 0 = off")
+    ap.add_argument("--prestage-count-weight", type=float, default=0.0,
+                    help="weight of a probe on the count a count question asks (decoder_prestage.count_targets, "
+                         "ordinal) in every pre-stage phase, read where the comparator probe reads (0 = off)")
     ap.add_argument("--prestage-comparator-layer", type=int, default=2,
                     help="decoder layer whose output at the answer position the comparator probe reads")
     ap.add_argument("--vision-pack", type=int, default=28800,
@@ -773,6 +809,8 @@ def main() -> int:
         raise SystemExit("--align-weight needs --decoder-prestage-steps > 0, the space it aligns to "
                          "(pass --align-weight 0 without a pre-stage)")
     relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
+    if args.prestage_remix_digit_weight < 1:
+        raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
     unknown = sorted(set(args.prestage_first_kinds.split(",")) - set(decoder_prestage.KINDS))
     if unknown:
         raise SystemExit(f"--prestage-first-kinds: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
@@ -788,7 +826,8 @@ def main() -> int:
                         f"{args.decoder_prestage_lr}-{args.seed}-{sampler_version}"
                         + ("-side" if args.prestage_side_words else "") + ("-nextto" if args.prestage_next_to else "")
                         + ("-countlayouts" if args.prestage_count_layouts else "")
-                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else ""))
+                        + (f"-cool{args.prestage_cooldown}" if args.prestage_cooldown else "")
+                        + (f"-countprobe{args.prestage_count_weight}" if args.prestage_count_weight else ""))
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to,
                                                   count_layouts=args.prestage_count_layouts)
@@ -801,6 +840,7 @@ def main() -> int:
                 entries += [{**e, "phase": i} if len(phases) > 1 else e for e in decoder_prestage.pretrain(
                     decoder, positions, phase.get("sampler", sampler), word_id, batch=args.decoder_prestage_batch,
                     lr=args.decoder_prestage_lr, comparator_layer=args.prestage_comparator_layer,
+                    count_weight=args.prestage_count_weight,
                     log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True), **options)]
             return entries
 
@@ -816,11 +856,15 @@ def main() -> int:
                                    sampler=dataclasses.replace(sampler, horizontal_share=share)))
             remix_probe = args.prestage_remix_comparator_weight
             if args.prestage_remix_steps > 0:
-                phases.append(dict(steps=args.prestage_remix_steps, seed=args.seed + 8,
+                # Each kind drawn once in the list, digit questions --prestage-remix-digit-weight times.
+                remix_kinds = decoder_prestage.KINDS + ["digit"] * (args.prestage_remix_digit_weight - 1)
+                phases.append(dict(steps=args.prestage_remix_steps, seed=args.seed + 8, kinds=remix_kinds,
                                    held=min(1024, 16 * args.prestage_remix_steps), comparator_weight=remix_probe))
             prestage_key += (f"-rel{args.prestage_relation_schedule.replace(',', '+')}-remix{args.prestage_remix_steps}"
                              f"-cmp{args.prestage_comparator_weight}-{args.prestage_comparator_layer}"
-                             + (f"-remixcmp{remix_probe}" if remix_probe else ""))
+                             + (f"-remixcmp{remix_probe}" if remix_probe else "")
+                             + (f"-remixdigit{args.prestage_remix_digit_weight}"
+                                if args.prestage_remix_digit_weight != 1 else ""))
         if args.prestage_position_first > 0:
             # Size and position (and count) questions alone first: on their own the decoder learns to
             # read the side (session 12), which in the full mix it never does. The key keeps its
@@ -862,6 +906,7 @@ def main() -> int:
     if args.vision_steps > 0 and pooled_heads is not None:
         # The first stage depends only on these arguments: cache it in --work.
         key = f"vision-pooled-{args.vision_steps}-{args.vision_batch}-{args.vision_lr}-{args.seed}-{vision_samples}"
+        key += "-bf16" if args.precision == "bf16" else ""
         stage = torch.nn.ModuleDict({"tower": model.model.vision_tower, "heads": pooled_heads})
         if args.align_weight > 0:
             key += f"-align-{args.align_weight}-{prestage_key}"
@@ -921,38 +966,39 @@ def main() -> int:
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)
         guide = args.attn_guide_weight > 0
-        out = model(input_ids=input_ids, attention_mask=attn, pixel_values=to_pixels(imgs), labels=lab,
-                    output_attentions=guide)
-        answer_loss = out.loss
-        loss = answer_loss
-        aux_losses, aux_fg_acc = {}, {}
-        if guide:
-            aux_losses["attn"] = attention_guidance_loss(out.attentions, input_ids, turns, scenes, ids["<image>"],
-                                                         args.attn_guide_layer, shapes, colors)
-            loss = loss + args.attn_guide_weight * aux_losses["attn"]
-        if args.aux_weight > 0 and pooled_heads is not None:
-            # Keep the first stage's objective on: the answer loss alone drifts the features.
-            pooled, pooled_acc = pooled_losses(tap.value[:, 1:, :], items,
-                                               pooled_heads)
-            aux_losses.update(pooled)
-            aux_fg_acc.update({k: round(a, 3) for k, (a, _) in pooled_acc.items()})
-            loss = loss + args.aux_weight * sum(pooled.values()) / len(pooled)
-        elif args.aux_weight > 0:
-            feats = tap.value[:, 1:, :]  # drop CLS: [B, 144, hidden]
-            targets = patch_targets(scenes, shapes, colors)
-            for k, head in heads.items():
-                logits, target = head(feats).flatten(0, 1), targets[k].flatten()
-                aux_losses[k] = (balanced_patch_loss(logits, target) if args.aux_balanced else
-                                 torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE))
-                # Object patches only: what the answers need (the plain loss is mostly background).
-                if (acc := object_patch_accuracy(logits.detach(), target)) is not None:
-                    aux_fg_acc[k] = acc
-            patch_losses = [v for k, v in aux_losses.items() if k in AUX_HEADS]
-            loss = loss + args.aux_weight * sum(patch_losses) / len(patch_losses)
-        if args.align_weight > 0:
-            aligned = align(tap.value[:, 1:, :], scenes, items)
-            aux_losses.update(aligned)
-            loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
+        with autocast(args):
+            out = model(input_ids=input_ids, attention_mask=attn, pixel_values=to_pixels(imgs), labels=lab,
+                        output_attentions=guide)
+            answer_loss = out.loss
+            loss = answer_loss
+            aux_losses, aux_fg_acc = {}, {}
+            if guide:
+                aux_losses["attn"] = attention_guidance_loss(out.attentions, input_ids, turns, scenes, ids["<image>"],
+                                                             args.attn_guide_layer, shapes, colors)
+                loss = loss + args.attn_guide_weight * aux_losses["attn"]
+            if args.aux_weight > 0 and pooled_heads is not None:
+                # Keep the first stage's objective on: the answer loss alone drifts the features.
+                pooled, pooled_acc = pooled_losses(tap.value[:, 1:, :], items,
+                                                   pooled_heads)
+                aux_losses.update(pooled)
+                aux_fg_acc.update({k: round(a, 3) for k, (a, _) in pooled_acc.items()})
+                loss = loss + args.aux_weight * sum(pooled.values()) / len(pooled)
+            elif args.aux_weight > 0:
+                feats = tap.value[:, 1:, :]  # drop CLS: [B, 144, hidden]
+                targets = patch_targets(scenes, shapes, colors)
+                for k, head in heads.items():
+                    logits, target = head(feats).flatten(0, 1), targets[k].flatten()
+                    aux_losses[k] = (balanced_patch_loss(logits, target) if args.aux_balanced else
+                                     torch.nn.functional.cross_entropy(logits, target, ignore_index=IGNORE))
+                    # Object patches only: what the answers need (the plain loss is mostly background).
+                    if (acc := object_patch_accuracy(logits.detach(), target)) is not None:
+                        aux_fg_acc[k] = acc
+                patch_losses = [v for k, v in aux_losses.items() if k in AUX_HEADS]
+                loss = loss + args.aux_weight * sum(patch_losses) / len(patch_losses)
+            if args.align_weight > 0:
+                aligned = align(tap.value[:, 1:, :], scenes, items)
+                aux_losses.update(aligned)
+                loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}")
         loss.backward()

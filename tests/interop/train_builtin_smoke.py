@@ -13,12 +13,16 @@ readout losses) and checks that
   - `vlmopt eval` answers with it and transformers' LlavaForConditionalGeneration
     and AutoProcessor load it,
   - the run is reproducible from the seed: a second run writes byte-identical
-    weights, and takes both first stages from the cache the first one wrote in --work,
+    weights, and takes both first stages from the cache the first one wrote in --work;
+    so does a third that takes only the pre-stage from the cache (its probes draw from
+    torch's RNG, and the vision stage's heads are initialised after it),
   - the questions the script derives from a scene's layout (the pre-stage's and the
     joint stage's extra turns) answer the generator's own question of every calibration
     scene they cover the same way, and cover nearly all of them (exist: 3 in 4),
   - the pre-stage's count layouts answer as its question list does, one token per object,
-  - the pre-stage's comparator targets agree with every relation question's answer.
+  - the pre-stage's comparator targets agree with every relation question's answer, and its
+    count targets are the ordinal code of every count question's answer,
+  - the checkpoint holds float32 weights whatever --precision the stages trained under.
 Exits 1 with one line per failure.
 """
 
@@ -136,6 +140,36 @@ def comparator_parity(draws: int = 400) -> list[str]:
     return out[:5]
 
 
+def count_target_parity(draws: int = 300) -> list[str]:
+    """decoder_prestage.count_targets (the pre-stage's ordinal count probe): a count question's
+    targets say "more than k" exactly for k below its answer; other kinds get none."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True)
+    rng = np.random.default_rng(17)
+    samples = [sampler.sample(rng, ["count"]) for _ in range(draws)] + [sampler.sample(rng, ["color"])]
+    out = []
+    for (_, kind, q, a), t in zip(samples, dp.count_targets(samples).tolist()):
+        if kind != "count":
+            if any(x != -1.0 for x in t):
+                out.append(f"count target {t} for a {kind} question")
+            continue
+        n = dp.NUMBERS.index(a)
+        if t != [1.0] * n + [0.0] * (dp.COUNT_THRESHOLDS - n):
+            out.append(f"count target {t} for {q!r} (answer {a!r})")
+    return out[:5]
+
+
+def checkpoint_dtypes(model: Path) -> list[str]:
+    """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
+    header_len = int.from_bytes(model.read_bytes()[:8], "little")
+    header = json.loads(model.read_bytes()[8:8 + header_len])
+    wrong = sorted(k for k, v in header.items() if k != "__metadata__" and v["dtype"] != "F32")
+    return [f"{model}: tensors not stored as F32: {wrong[:3]}"] if wrong else []
+
+
 def relation_schedule_draws(draws: int = 500) -> list[str]:
     """--prestage-relation-schedule: each phase kind draws the horizontal words at its share
     (SymbolicScenes.horizontal_share), and a malformed schedule is refused."""
@@ -251,17 +285,29 @@ def main() -> int:
                 failures.append("second run did not take its decoder pre-stage from the --work cache")
             if sha256(first / "model.safetensors") != sha256(second / "model.safetensors"):
                 failures.append("same seed, different weights: the run is not reproducible")
+        for vision_cache in work.glob("vision-pooled-*.safetensors"):
+            vision_cache.unlink()
+        third = tmp / "third"
+        run3 = train(vlmopt, third, work)
+        if run3.returncode != 0:
+            failures.append(f"third run exited {run3.returncode}: {run3.stderr.strip().splitlines()[-1:]}")
+        elif "decoder pre-stage from" not in run3.stderr or "first stage from" in run3.stderr:
+            failures.append("third run: expected the pre-stage from the cache and the vision stage trained")
+        elif sha256(first / "model.safetensors") != sha256(third / "model.safetensors"):
+            failures.append("pre-stage from the cache, vision stage trained: different weights than the fresh run")
 
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
         failures += count_layout_parity()
         failures += comparator_parity()
+        failures += count_target_parity()
+        failures += checkpoint_dtypes(first / "model.safetensors")
         failures += relation_schedule_draws()
 
     for f in failures:
         print(f"FAIL {f}")
     if not failures:
-        print(f"ok: trained {STEPS} steps twice, identical weights; vlmopt eval and transformers load the result")
+        print(f"ok: trained {STEPS} steps three times, identical weights; vlmopt eval and transformers load the result")
     return 1 if failures else 0
 
 
