@@ -164,9 +164,9 @@ def count_target_parity(draws: int = 300) -> list[str]:
 
 def checkpoint_dtypes(model: Path) -> list[str]:
     """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
-    header_len = int.from_bytes(model.read_bytes()[:8], "little")
-    header = json.loads(model.read_bytes()[8:8 + header_len])
-    wrong = sorted(k for k, v in header.items() if k != "__metadata__" and v["dtype"] != "F32")
+    from safetensors import safe_open
+    with safe_open(model, framework="np") as f:
+        wrong = sorted(k for k in f.keys() if f.get_slice(k).get_dtype() != "F32")
     return [f"{model}: tensors not stored as F32: {wrong[:3]}"] if wrong else []
 
 
