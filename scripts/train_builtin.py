@@ -412,14 +412,18 @@ def pretrain_vision(model, tap, heads, train: "Pack", held: "Pack", shapes, colo
 POOLED_HEADS = {"shape": 5, "color": 6, "size": 2, "digit": 10}
 
 
-def pooled_targets(scenes: list[dict], shapes: list[str], colors: list[str]):
-    """Per item: (sample index, [GRID*GRID] patch mask, head, label) for every object and digit box."""
+def pooled_targets(scenes: list[dict], shapes: list[str], colors: list[str], object_centres: bool = False):
+    """Per item: (sample index, [GRID*GRID] patch mask, head, label) for every object and digit box.
+
+    object_centres: an object's mask is its centre patch alone (the one token per object that the
+    decoder pre-stage reads), not the patches it covers."""
     centers = np.arange(GRID) * PATCH + (PATCH - 1) / 2.0
     py, px = np.meshgrid(centers, centers, indexing="ij")
     items = []
     for b, sc in enumerate(scenes):
         for o in sc.get("objects", []):
-            mask = np.hypot(px - o["cx"], py - o["cy"]) <= max(0.8 * o["radius"], PATCH / 2)
+            mask = (np.zeros((GRID, GRID), dtype=bool) if object_centres else
+                    np.hypot(px - o["cx"], py - o["cy"]) <= max(0.8 * o["radius"], PATCH / 2))
             mask[min(int(o["cy"]) // PATCH, GRID - 1), min(int(o["cx"]) // PATCH, GRID - 1)] = True
             m = mask.reshape(-1)
             items.append((b, m, "shape", shapes.index(o["shape"])))
@@ -524,6 +528,32 @@ def parse_relation_schedule(text: str) -> list[tuple[float | None, tuple[float, 
         share, weights = RELATION_AXES[axis]
         phases.append((share, weights, int(steps)))
     return phases
+
+
+def parse_question_scenes(text: str) -> dict[str, int]:
+    """--joint-question-scenes "count=8,digit=4" -> {"count": 8, "digit": 4}."""
+    out: dict[str, int] = {}
+    for part in filter(None, text.split(",")):
+        kind, _, n = part.partition("=")
+        if kind not in decoder_prestage.KINDS or not n.isdigit() or kind in out:
+            raise SystemExit(f"--joint-question-scenes: expected TYPE=N,... with TYPE one of {decoder_prestage.KINDS} "
+                             f"(each once), got {part!r}")
+        out[kind] = int(n)
+    return out
+
+
+def question_streams(pack: "Pack", question_scenes: dict[str, int], seed: int) -> list[tuple[int, np.ndarray]]:
+    """(scenes per step, the pack's indices whose question has that type, shuffled) per entry of
+    --joint-question-scenes; the j-th type shuffles with seed + j."""
+    types = np.array([t.decode() if isinstance(t, bytes) else str(t) for t in pack.types[:]])
+    streams = []
+    for j, (kind, n) in enumerate(question_scenes.items()):
+        of_kind = np.flatnonzero(types == kind)
+        if not len(of_kind):
+            raise SystemExit(f"--joint-question-scenes {kind}={n}: the vision pack has no {kind} questions "
+                             "(pass a larger --vision-pack)")
+        streams.append((n, np.random.default_rng(seed + j).permutation(of_kind)))
+    return streams
 
 
 def autocast(args):
@@ -700,8 +730,8 @@ def main() -> int:
                          "words, also when continued), started this way it keeps it (0.94) (0 = off)")
     ap.add_argument("--prestage-first-kinds", default="size,position,count",
                     help="question kinds of the --prestage-position-first phase (comma-separated, of "
-                         "decoder_prestage.KINDS); with count the full mix's routing formed by step 1000 "
-                         "instead of ~2500 (session 14)")
+                         "decoder_prestage.KINDS; a kind listed twice is drawn twice as often); with count "
+                         "the full mix's routing formed by step 1000 instead of ~2500 (session 14)")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
                     help="the pre-stage also samples the generator's digit-next-to-object layout")
     ap.add_argument("--prestage-count-layouts", action=argparse.BooleanOptionalAction, default=True,
@@ -747,12 +777,19 @@ def main() -> int:
                     help="of each joint-stage batch, this many scenes with digit boxes drawn from the vision "
                          "pack (its digit scenes in a fixed random order) instead of the next scenes of the "
                          "joint pack, where 1 in 8 has a box")
+    ap.add_argument("--joint-question-scenes", default="",
+                    help="TYPE=N,...: N scenes per joint step drawn from the vision pack's questions of that "
+                         "type (e.g. count=8), in place of joint-pack scenes")
     ap.add_argument("--joint-digit-turns-first", action=argparse.BooleanOptionalAction, default=False,
                     help="the --joint-digit-scenes' derived turns ask their digit questions first")
     ap.add_argument("--align-weight", type=float, default=1.0,
                     help="weight of the loss pulling the projector's output per patch onto the pre-staged "
                          "decoder's symbolic image tokens (vision first stage and joint stage; needs "
                          "--decoder-prestage-steps)")
+    ap.add_argument("--align-object-centres", action=argparse.BooleanOptionalAction, default=False,
+                    help="align (and read out) an object's words on its centre patch only, its other patches "
+                         "to their position vector like the background: the pre-stage's one token per object, "
+                         "so that counting the tokens that carry a word counts the objects")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -799,7 +836,12 @@ def main() -> int:
 
     if not 0 <= args.joint_digit_scenes < args.batch:
         raise SystemExit(f"--joint-digit-scenes: expected 0..{args.batch - 1} (less than --batch), got {args.joint_digit_scenes}")
-    joint_pack_batch = args.batch - args.joint_digit_scenes  # scenes per step from the joint pack
+    question_scenes = parse_question_scenes(args.joint_question_scenes)
+    if not 0 <= sum(question_scenes.values()) < args.batch - args.joint_digit_scenes:
+        raise SystemExit(f"--joint-question-scenes: expected 0..{args.batch - args.joint_digit_scenes - 1} scenes in all "
+                         f"(less than --batch minus --joint-digit-scenes), got {sum(question_scenes.values())}")
+    # scenes per step from the joint pack
+    joint_pack_batch = args.batch - args.joint_digit_scenes - sum(question_scenes.values())
     steps_max = min(args.steps, len(train) // joint_pack_batch)
     vocab_info = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))
     shapes, colors = vocab_info["answers"]["shape"], vocab_info["answers"]["color"]
@@ -884,6 +926,8 @@ def main() -> int:
         def align(vision_features, scenes, items):
             # The learned row/column tables are frozen after the pre-stage; the side component
             # follows the word embeddings as the joint stage moves them.
+            if args.align_object_centres:
+                items = pooled_targets(scenes, shapes, colors, object_centres=True)
             with torch.no_grad():
                 position_table = positions.table(decoder.embed_tokens.weight)
             target = decoder_prestage.aligned_targets(scenes, items, decoder.embed_tokens.weight, position_table,
@@ -912,6 +956,7 @@ def main() -> int:
             key += f"-align-{args.align_weight}-{prestage_key}"
             if args.readout_weight > 0:
                 key += f"-readout-{args.readout_weight}"
+            key += "-centres" if args.align_object_centres else ""
             stage["projector"] = model.model.multi_modal_projector
         vision_log = cached_stage(work, key, stage, "first stage", lambda: pretrain_vision_pooled(
             model, tap, pooled_heads, vision_train, held, shapes, colors, args,
@@ -940,15 +985,22 @@ def main() -> int:
         raise SystemExit(f"--joint-digit-scenes {args.joint_digit_scenes}: the vision pack has no digit scenes "
                          "(pass --joint-digit-scenes 0 or a larger --vision-pack)")
 
+    # Scenes by question type (--joint-question-scenes), each type its own stream of the vision pack.
+    # For count: the generator's count layouts ask zero to five evenly, as builtin:eval does, while
+    # the derived turns of random scenes ask mostly "zero" to "two".
+    streams = [(args.joint_digit_scenes, digit_order)] + question_streams(vision_train, question_scenes, args.seed + 9)
+
     def joint_batch(step: int):
         """(images, questions, answers, scenes) of one joint step: the joint pack's next scenes, then
-        --joint-digit-scenes digit scenes of the vision pack (cycling through them)."""
+        --joint-digit-scenes digit scenes and --joint-question-scenes' scenes of the vision pack (each
+        stream cycling through its scenes)."""
         idx = order[step * joint_pack_batch:(step + 1) * joint_pack_batch]
         imgs, qs, ans, _ = train.batch(idx)
         scenes = train.scenes(idx)
-        if args.joint_digit_scenes > 0:
-            n = args.joint_digit_scenes
-            didx = digit_order[np.arange(step * n, (step + 1) * n) % len(digit_order)]
+        for n, stream in streams:
+            if n <= 0:
+                continue
+            didx = stream[np.arange(step * n, (step + 1) * n) % len(stream)]
             d_imgs, d_qs, d_ans, _ = vision_train.batch(didx)
             imgs, qs, ans = np.concatenate([imgs, d_imgs]), qs + d_qs, ans + d_ans
             scenes = scenes + vision_train.scenes(didx)
@@ -961,7 +1013,8 @@ def main() -> int:
         imgs, qs, ans, scenes = joint_batch(step)
         items = pooled_targets(scenes, shapes, colors)  # object/box masks: the pooled and align losses share them
         extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns,
-                                first_kind="digit" if i >= joint_pack_batch and args.joint_digit_turns_first else None)
+                                first_kind="digit" if (joint_pack_batch <= i < joint_pack_batch + args.joint_digit_scenes
+                                                      and args.joint_digit_turns_first) else None)
                   for i, sc in enumerate(scenes)]
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)

@@ -22,7 +22,9 @@ readout losses) and checks that
   - the pre-stage's count layouts answer as its question list does, one token per object,
   - the pre-stage's comparator targets agree with every relation question's answer, and its
     count targets are the ordinal code of every count question's answer,
-  - the checkpoint holds float32 weights whatever --precision the stages trained under.
+  - the checkpoint holds float32 weights whatever --precision the stages trained under,
+  - --align-object-centres puts each object on its centre patch alone,
+  - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type.
 Exits 1 with one line per failure.
 """
 
@@ -41,6 +43,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH = 2, 4
+VISION_PACK = 16  # the first 16 scenes of builtin:train: a digit question (sample 6), a count question (sample 15)
 # The generator's attribute words in its order (`vlmopt datasets vocab`).
 SHAPES = ["circle", "square", "triangle", "star", "cross"]
 COLORS = ["red", "green", "blue", "yellow", "orange", "purple"]
@@ -51,9 +54,10 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--work", str(work), "--steps", str(STEPS), "--batch", str(BATCH), "--threads", "1",
            "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
            "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1",
-           "--readout-weight", "1", "--vision-pack", "12", "--prestage-position-first", "2",
-           "--joint-digit-scenes", "1", "--joint-digit-turns-first",
-           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-remix-steps", "1"]  # the pack's one digit scene (sample 6)
+           "--readout-weight", "1", "--vision-pack", str(VISION_PACK), "--prestage-position-first", "2",
+           "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
+           "--align-object-centres",
+           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-remix-steps", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -198,6 +202,58 @@ def relation_schedule_draws(draws: int = 500) -> list[str]:
     return out[:5]
 
 
+def question_stream_parity(vision_h5: Path) -> list[str]:
+    """train_builtin.question_streams (--joint-question-scenes): each type's stream is exactly the
+    pack's questions of that type; parse_question_scenes refuses unknown and repeated types."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import train_builtin as tb
+    pack = tb.Pack(vision_h5)
+    types = pack.batch(np.arange(len(pack)))[3]
+    out = []
+    spec = tb.parse_question_scenes("count=2,digit=1")
+    for (n, stream), (kind, want) in zip(tb.question_streams(pack, spec, seed=9), spec.items()):
+        expected = sorted(i for i, t in enumerate(types) if t == kind)
+        if n != want or sorted(stream.tolist()) != expected:
+            out.append(f"question stream {kind}={want}: {n} per step over {len(stream)} scenes, expected {want} "
+                       f"over the pack's {len(expected)} {kind} questions, exactly")
+    for bad in ("count=1,count=2", "colour=1", "count"):
+        try:
+            tb.parse_question_scenes(bad)
+            out.append(f"parse_question_scenes accepted {bad!r}")
+        except SystemExit:
+            pass
+    return out
+
+
+def centre_item_parity(calib_h5: Path) -> list[str]:
+    """train_builtin.pooled_targets(object_centres=True) (--align-object-centres): every object's
+    three items (shape, colour, size) have the one patch holding its centre as mask, a patch of its
+    full mask; digit boxes keep their full masks."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import train_builtin as tb
+    pack = tb.Pack(calib_h5)
+    scenes = pack.scenes(np.arange(len(pack)))
+    full = tb.pooled_targets(scenes, SHAPES, COLORS)
+    centre = tb.pooled_targets(scenes, SHAPES, COLORS, object_centres=True)
+    if [(b, h, y) for b, _, h, y in full] != [(b, h, y) for b, _, h, y in centre]:
+        return ["pooled_targets: object_centres changed the items, not only their masks"]
+    expected = [(b, min(int(o["cy"]) // tb.PATCH, tb.GRID - 1) * tb.GRID + min(int(o["cx"]) // tb.PATCH, tb.GRID - 1))
+                for b, sc in enumerate(scenes) for o in sc.get("objects", []) for _ in range(3)]
+    objects = [(b, m, mc) for (b, m, h, _), (_, mc, _, _) in zip(full, centre) if h != "digit"]
+    out = []
+    if len(objects) != len(expected):
+        return [f"pooled_targets: {len(objects)} object items, expected {len(expected)}"]
+    for (b, m, mc), (_, patch) in zip(objects, expected):
+        if mc.sum() != 1 or not mc[patch] or not m[patch]:
+            out.append(f"scene {b}: object mask of {int(mc.sum())} patches with object_centres, expected patch {patch}")
+    for (b, m, h, _), (_, mc, _, _) in zip(full, centre):
+        if h == "digit" and not np.array_equal(m, mc):
+            out.append(f"scene {b}: a digit box's mask changed with object_centres")
+    return out[:5]
+
+
 def vision_tap_parity(model_dir: Path) -> list[str]:
     """train_builtin.VisionTap skips the tower's unused last layer while training: the projector's
     input must stay the same tensor, and restore() must bring the layer back."""
@@ -298,6 +354,8 @@ def main() -> int:
 
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
+        failures += centre_item_parity(work / "calib.h5")
+        failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
         failures += comparator_parity()
         failures += count_target_parity()
