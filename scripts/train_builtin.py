@@ -21,7 +21,8 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    alone on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
-   The first 500 steps ask size, position and count questions only: in the full mix the
+   The first 500 steps ask size, position and count questions only (count drawn as often as
+   the other two together): in the full mix the
    decoder never learned to read the side (session 12), and with count there the
    routing forms within the first 750-1000 steps of the full mix instead of ~2500
    (session 14); the mix plateaus after that (session 15). Then 350 steps of relation
@@ -39,7 +40,9 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    decoder's symbolic tokens patch by patch (--align-weight), and each object's
    and box's words read out of its mean projected feature through the decoder's
    embeddings (--readout-weight: without it the projected box features carried
-   the digit at chance although the tower had it);
+   the digit at chance although the tower had it). An object's words go on its
+   centre patch alone, one token per object as in the pre-stage; a box's on all
+   its patches (--align-object-centres, session 20);
 3. joint stage (250 steps): everything on the answers, with the stage-2 losses
    kept on, and extra question/answer turns per image derived from the scene
    layout with the generator's templates, drawn round-robin by kind (the first
@@ -47,6 +50,9 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    8 of every batch's 32 scenes have digit boxes (--joint-digit-scenes; 1 in 8
    otherwise): the projected box features carried the digit (0.7-0.8 read out on
    evaluation boxes) while the decoder answered 0.36 of the digit questions (session 15).
+   8 more are count questions (--joint-question-scenes count=8), zero to five evenly as
+   builtin:eval asks them: the derived turns of random scenes ask mostly zero to two, and
+   the decoder did not count three to five on images (count 0.47-0.49 -> 0.56, session 20).
 
 The vision and joint stages run their forward passes under bf16 autocast (--precision bf16;
 the weights, gradients, optimizer state and checkpoint stay float32): 18 % and 25 % faster
@@ -67,6 +73,8 @@ the vision stage's pack already in --work (session 19).
   28.4 min (626 s, 657 s, 387 s): this host's speed swings ~10 % within an hour.
 - Session 18's float32 recipe (300 joint steps) took 33-35 min on the same host, over issue 3's
   30 minutes.
+- Session 20's recipe (the same step counts) took 22.4 min on that session's host (499 s, 558 s,
+  261 s), which ran session 19's recipe plus the count scenes in 19.2 min an hour earlier.
 - The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host.
 
 Writes the checkpoint atomically (temp dir + rename).
@@ -728,7 +736,7 @@ def main() -> int:
                     help="start the pre-stage with N steps of --prestage-first-kinds questions only: in the full "
                          "mix the decoder never learns to read the side (0.56-0.62 held-out, with or without side "
                          "words, also when continued), started this way it keeps it (0.94) (0 = off)")
-    ap.add_argument("--prestage-first-kinds", default="size,position,count",
+    ap.add_argument("--prestage-first-kinds", default="size,position,count,count",
                     help="question kinds of the --prestage-position-first phase (comma-separated, of "
                          "decoder_prestage.KINDS; a kind listed twice is drawn twice as often); with count "
                          "the full mix's routing formed by step 1000 instead of ~2500 (session 14)")
@@ -777,7 +785,7 @@ def main() -> int:
                     help="of each joint-stage batch, this many scenes with digit boxes drawn from the vision "
                          "pack (its digit scenes in a fixed random order) instead of the next scenes of the "
                          "joint pack, where 1 in 8 has a box")
-    ap.add_argument("--joint-question-scenes", default="",
+    ap.add_argument("--joint-question-scenes", default="count=8",
                     help="TYPE=N,...: N scenes per joint step drawn from the vision pack's questions of that "
                          "type (e.g. count=8), in place of joint-pack scenes")
     ap.add_argument("--joint-digit-turns-first", action=argparse.BooleanOptionalAction, default=False,
@@ -786,7 +794,7 @@ def main() -> int:
                     help="weight of the loss pulling the projector's output per patch onto the pre-staged "
                          "decoder's symbolic image tokens (vision first stage and joint stage; needs "
                          "--decoder-prestage-steps)")
-    ap.add_argument("--align-object-centres", action=argparse.BooleanOptionalAction, default=False,
+    ap.add_argument("--align-object-centres", action=argparse.BooleanOptionalAction, default=True,
                     help="align (and read out) an object's words on its centre patch only, its other patches "
                          "to their position vector like the background: the pre-stage's one token per object, "
                          "so that counting the tokens that carry a word counts the objects")
