@@ -144,7 +144,7 @@ TEST_CASE("preprocessing matches transformers' image processors on real photos")
   }
   const char* python_env = std::getenv("VLMOPT_PYTHON");
   const std::string python = python_env != nullptr && *python_env != '\0' ? python_env : "python3";
-  const fs::path script = fs::path(VLMOPT_SOURCE_DIR) / "tests/interop/processor_reference.py";
+  const fs::path script = vlmopt::testing::source_dir() / "tests/interop/processor_reference.py";
   const fs::path out = dir / "reference.safetensors";
   const fs::path log = dir / "reference.log";
   std::string command = fmt::format("{} {} --out {}{}", shell_quote(python), shell_quote(script.string()),

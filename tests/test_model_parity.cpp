@@ -1,10 +1,11 @@
 // Numerical parity of the native LLaVA model with HF transformers (eager, fp32)
-// on every fixture variant under VLMOPT_FIXTURES_DIR (or
+// on every fixture variant under tests/fixtures (or
 // $VLMOPT_FIXTURES_DIR_OVERRIDE): logits, image features, hidden states and
 // greedy tokens, all computed by transformers (scripts/make_fixtures.py).
 #include "io/safetensors.hpp"
 #include "io/torch_bridge.hpp"
 #include "model/llava.hpp"
+#include "test_support.hpp"
 
 #include <doctest/doctest.h>
 #include <torch/torch.h>
@@ -26,7 +27,7 @@ fs::path parity_fixtures_root() {
   if (const char* override_dir = std::getenv("VLMOPT_FIXTURES_DIR_OVERRIDE"); override_dir && *override_dir) {
     return override_dir;
   }
-  return VLMOPT_FIXTURES_DIR;
+  return vlmopt::testing::fixtures_dir();
 }
 
 std::vector<fs::path> parity_variants() {

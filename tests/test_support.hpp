@@ -15,7 +15,11 @@ namespace vlmopt::testing {
 
 namespace fs = std::filesystem;
 
-inline fs::path fixture_dir(const std::string& name) { return fs::path(VLMOPT_FIXTURES_DIR) / name; }
+// The checkout's root and tests/fixtures (support_paths.cpp, the only file built with them).
+fs::path source_dir();
+fs::path fixtures_dir();
+
+inline fs::path fixture_dir(const std::string& name) { return fixtures_dir() / name; }
 
 // A fresh directory under the system temp dir, removed with everything in it on destruction.
 class TempDir {

@@ -5,6 +5,7 @@
 // Needs python3 with tokenizers + transformers (VLMOPT_PYTHON picks the interpreter).
 #include "tokenizer/prompt.hpp"
 #include "tokenizer/tokenizer.hpp"
+#include "test_support.hpp"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -53,7 +54,8 @@ const std::filesystem::path& reference_dir() {
     const char* python = std::getenv("VLMOPT_PYTHON");
     const std::string command = fmt::format(
         "HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 '{}' '{}/tests/interop/tokenizer_reference.py' --out '{}' > '{}' 2>&1",
-        python != nullptr ? python : "python3", VLMOPT_SOURCE_DIR, out.string(), (out / "log.txt").string());
+        python != nullptr ? python : "python3", vlmopt::testing::source_dir().string(), out.string(),
+        (out / "log.txt").string());
     const int status = std::system(command.c_str());
     INFO("python log:\n", read_file(out / "log.txt"));
     REQUIRE_MESSAGE(status == 0, "the Python reference failed: ", command);
