@@ -345,9 +345,12 @@ class PositionTable(torch.nn.Module):
         return self(torch.arange(GRID * GRID), embed_weight)
 
 
-def logits(lm, positions: PositionTable, batch: dict, hidden_layer: int | None = None):
+def logits(lm, positions: PositionTable, batch: dict, hidden_layer: int | None = None,
+           attention_layer: int | None = None):
     """lm: a LlamaModel; the head is tied to its input embeddings. [B, T, vocab]; with hidden_layer,
-    also that layer's output (hidden_states[hidden_layer]) at each row's answer position, [B, hidden]."""
+    also that layer's output (hidden_states[hidden_layer]) at each row's answer position, [B, hidden];
+    with attention_layer (lm in eager attention), also that layer's attention probabilities from each
+    row's answer position, [B, heads, T]."""
     embed = lm.get_input_embeddings()
     x = embed(batch["ids"])
     if batch["img_words"].numel():
@@ -355,11 +358,15 @@ def logits(lm, positions: PositionTable, batch: dict, hidden_layer: int | None =
         feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"], embed.weight)
         x = x.index_put((batch["img_b"], batch["img_t"]), feats)
     out = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"],
-             output_hidden_states=hidden_layer is not None)
+             output_hidden_states=hidden_layer is not None, output_attentions=attention_layer is not None)
     head = out.last_hidden_state @ embed.weight.T
-    if hidden_layer is None:
-        return head
-    return head, out.hidden_states[hidden_layer][torch.arange(x.size(0)), batch["answer_pos"]]
+    rows = torch.arange(x.size(0))
+    extra = []
+    if hidden_layer is not None:
+        extra.append(out.hidden_states[hidden_layer][rows, batch["answer_pos"]])
+    if attention_layer is not None:
+        extra.append(out.attentions[attention_layer][rows, :, batch["answer_pos"]])
+    return (head, *extra) if extra else head
 
 
 def comparator_targets(samples) -> torch.Tensor:
@@ -381,6 +388,48 @@ def comparator_targets(samples) -> torch.Tensor:
             d = second[axis] - first[axis]
             if abs(d) >= 6:
                 out[i, j] = float(d > 0)
+    return out
+
+
+def route_targets(samples) -> torch.Tensor:
+    """[N] per sample: the sequence index (collate's layout) of the digit box a two-box digit question
+    asks about ("in the left box", "next to the X"), or -1 (other questions, or the box lost its
+    patch to another item).
+
+    The two-box form selects one of two box tokens by their columns (or by the object beside them);
+    from the answer loss alone it forms in some runs and not others (0.38-0.43 on symbolic scenes at
+    the pre-stage's end, session 19). A loss on the attention from the answer position to that box
+    gives the selection a gradient of its own."""
+    out = torch.full((len(samples),), -1, dtype=torch.long)
+    for i, (scene, kind, _, answer) in enumerate(samples):
+        if kind != "digit" or len(scene["boxes"]) != 2:
+            continue
+        items = item_words(scene)
+        j = next((j for j, (_, w) in enumerate(items) if w == ["box", answer]), None)
+        if j is not None:
+            out[i] = 2 + j  # <s> USER: then the item tokens (collate's image_start)
+    return out
+
+
+def count_route_targets(samples, plurals: dict[str, str]) -> list[list[int]]:
+    """Per sample: for a count question, the sequence slots (collate's layout) of <s> and of every
+    object it counts ("how many circles", "how many red objects"); [] otherwise, and where a counted
+    object lost its patch to another item (random scenes; the count layouts keep objects apart).
+
+    Attention spread evenly over those slots puts 1 / (n + 1) on <s>: a head whose output falls
+    with the number of matches, the way a decoder counts. From the answer loss alone the pre-stage
+    counts three to five near chance (0.50-0.55 on count layouts, session 20)."""
+    singular = {p: s for s, p in plurals.items()}
+    out: list[list[int]] = []
+    for scene, kind, q, _ in samples:
+        if kind != "count":
+            out.append([])
+            continue
+        word = q.split()[2]  # "how many <plural> are there ?" / "how many <colour> objects are there ?"
+        match = ((lambda w: w[1] == singular[word]) if word in singular else (lambda w: w[0] == word))
+        slots = [2 + j for j, (_, w) in enumerate(item_words(scene)) if w[0] != "box" and match(w)]
+        counted = sum(match([o["color"], o["shape"]]) for o in scene["objects"])
+        out.append([0] + slots if len(slots) == counted else [])  # [] when two objects share a patch
     return out
 
 
@@ -411,7 +460,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
              eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
              comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
-             count_weight: float = 0.0, log=print) -> list[dict]:
+             count_weight: float = 0.0, route_weight: float = 0.0, route_layer: int = 2, route_head: int = 0,
+             count_route_weight: float = 0.0, count_route_head: int = 2, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -425,7 +475,13 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
     (a weighted mean over the asked ones): the axis weighted up forms first (session 18).
 
     count_weight > 0: a second probe on the same layer and position learns count_targets of the
-    count questions (ordinal: one BCE per threshold "more than k", k = 0..4; this weight)."""
+    count questions (ordinal: one BCE per threshold "more than k", k = 0..4; this weight).
+
+    route_weight > 0: head `route_head` of layer `route_layer` learns to attend from the answer
+    position to the box a two-box digit question asks about (route_targets; -log of that attention,
+    this weight). Needs lm in eager attention (the probabilities are not materialised otherwise).
+    count_route_weight > 0: the same for head `count_route_head` of that layer on count questions,
+    towards an even spread over <s> and the objects counted (count_route_targets; cross-entropy)."""
     kinds = kinds or KINDS
     params = list(lm.parameters()) + list(positions.parameters())
     probe = count_probe = None
@@ -445,11 +501,15 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
         acc: dict[str, list[int]] = {}
         with torch.no_grad():
             for i in range(0, len(held_set), 256):
-                b = collate(held_set[i:i + 256], word_id)
+                chunk = held_set[i:i + 256]
+                b = collate(chunk, word_id)
                 for k, v in accuracy_by_kind(logits(lm, positions, b), b).items():
+                    if k == "digit":  # the two-box forms apart as well (not in held_overall)
+                        two = [len(sc["boxes"]) == 2 for sc, kind, _, _ in chunk if kind == "digit"]
+                        acc.setdefault("digit_two_box", []).extend(x for x, t in zip(v, two) if t)
                     acc.setdefault(k, []).extend(v)
         lm.train()
-        flat = [x for v in acc.values() for x in v]
+        flat = [x for k, v in acc.items() if k != "digit_two_box" for x in v]
         return {"held_overall": round(float(np.mean(flat)), 3) if flat else None,
                 "by_kind": {k: round(float(np.mean(v)), 2) for k, v in sorted(acc.items())}}
 
@@ -461,10 +521,14 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
                 g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
         samples = [sampler.sample(rng, kinds) for _ in range(batch)]
         b = collate(samples, word_id)
-        if probe is None and count_probe is None:
-            out = logits(lm, positions, b)
-        else:
-            out, hidden = logits(lm, positions, b, comparator_layer)
+        route = route_targets(samples) if route_weight > 0 else None
+        counted = count_route_targets(samples, sampler.plurals) if count_route_weight > 0 else None
+        guide = ((route is not None and bool((route >= 0).any())) or
+                 (counted is not None and any(counted)))
+        probing = probe is not None or count_probe is not None
+        res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
+        res = res if isinstance(res, tuple) else (res,)
+        out, hidden, attention = res[0], res[1] if probing else None, res[-1] if guide else None
         loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
                                                  ignore_index=-100)
         if probe is not None:
@@ -481,6 +545,14 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             if asked.any():
                 loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
                     count_probe(hidden)[asked], target[asked])
+        if guide and route is not None and (route >= 0).any():
+            asked = route >= 0
+            mass = attention[asked, route_head, route[asked]]
+            loss = loss + route_weight * -(mass + 1e-6).log().mean()
+        if guide and counted is not None and any(counted):
+            rows = [i for i, slots in enumerate(counted) if slots]
+            terms = [-(attention[i, count_route_head, counted[i]] + 1e-6).log().mean() for i in rows]
+            loss = loss + count_route_weight * torch.stack(terms).mean()
         if not torch.isfinite(loss):
             raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
         opt.zero_grad(set_to_none=True)

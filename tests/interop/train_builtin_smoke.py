@@ -23,7 +23,10 @@ readout losses) and checks that
   - the pre-stage's comparator targets agree with every relation question's answer, and its
     count targets are the ordinal code of every count question's answer,
   - the checkpoint holds float32 weights whatever --precision the stages trained under,
-  - --align-object-centres puts each object on its centre patch alone,
+  - --align-object-centres puts each object on its centre patch alone (--align-box-centres: each
+    digit box on the patch of its pre-stage token),
+  - the pre-stage's route targets point at the box a two-box digit question asks about, and
+    its count route targets at <s> and the objects a count question counts,
   - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type.
 Exits 1 with one line per failure.
 """
@@ -56,7 +59,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--decoder-prestage-steps", "2", "--decoder-prestage-batch", "4", "--align-weight", "1",
            "--readout-weight", "1", "--vision-pack", str(VISION_PACK), "--prestage-position-first", "2",
            "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
-           "--align-object-centres",
+           "--align-object-centres", "--align-box-centres", "--prestage-route-weight", "0.5",
+           "--prestage-count-route-weight", "0.5",
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-remix-steps", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
@@ -141,6 +145,83 @@ def comparator_parity(draws: int = 400) -> list[str]:
             out.append(f"comparator target {t} for {q!r} (answer {a!r})")
     if seen != set(words):
         out.append(f"relation words drawn: {sorted(seen)}")
+    return out[:5]
+
+
+def route_parity(draws: int = 300) -> list[str]:
+    """decoder_prestage.route_targets (--prestage-route-weight): a two-box digit question ("in the
+    left / right box", "next to the X") points at the sequence slot of the box it asks about -- the
+    left or right one of the two, the one beside the named object -- and every other question at
+    none; count_route_targets (--prestage-count-route-weight) point a count question at <s> and
+    exactly the objects it counts; logits(attention_layer=) gives one attention row per head from the
+    answer position."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import decoder_prestage as dp
+    import train_builtin as tb
+    from transformers import LlamaConfig, LlamaModel
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, next_to=True)
+    rng = np.random.default_rng(19)
+    samples = [sampler.sample(rng, ["digit"]) for _ in range(draws)] + [sampler.sample(rng, ["color"])]
+    counts = [sampler.sample(rng, ["count"]) for _ in range(200)]
+    sampler_layouts = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True)
+    counts += [sampler_layouts.sample(rng, ["count"]) for _ in range(200)]
+    words = ["<s>", "USER:", "ASSISTANT:", "</s>", "<pad>", "box", "left", "right", "top", "bottom"] + dp.NUMBERS
+    words += ["small", "large"] + SHAPES + COLORS
+    words += sorted({w for _, _, q, a in samples + counts for w in (q + " " + a).split()} - set(words))
+    word_id = {w: i for i, w in enumerate(words)}
+    batch = dp.collate(samples, word_id)
+    slots = {(int(b), int(t)): [words[i] for i in w.tolist() if i >= 0]
+             for b, t, w in zip(batch["img_b"], batch["img_t"], batch["img_words"])}
+    out, forms = [], set()
+    for i, ((scene, kind, q, a), t) in enumerate(zip(samples, dp.route_targets(samples).tolist())):
+        two = kind == "digit" and len(scene["boxes"]) == 2
+        if not two:
+            if t != -1:
+                out.append(f"route target {t} for {q!r} (one box or not a digit question)")
+            continue
+        if t < 0:
+            continue  # the box shares its patch with an earlier item: no slot of its own
+        if slots.get((i, t)) != ["box", a]:
+            out.append(f"route target of {q!r} holds {slots.get((i, t))}, expected ['box', {a!r}]")
+        boxes = sorted(scene["boxes"], key=lambda bx: bx["cx"])
+        box = next(bx for bx in scene["boxes"] if dp.NUMBERS[bx["label"]] == a)
+        if "left box" in q or "right box" in q:
+            forms.add("left/right")
+            if box is not boxes[0 if "left box" in q else 1]:
+                out.append(f"route target of {q!r} is not the {'left' if 'left box' in q else 'right'} box")
+        elif "next to" in q:
+            forms.add("next to")
+            anchor = scene["objects"][box["anchor"]]
+            if f"the {anchor['color']} {anchor['shape']} ?" not in q:
+                out.append(f"route target of {q!r} is beside the {anchor['color']} {anchor['shape']}")
+    if forms != {"left/right", "next to"}:
+        out.append(f"two-box digit forms drawn: {sorted(forms)}")
+    # count_route_targets (--prestage-count-route-weight): <s> and exactly the objects counted.
+    count_batch = dp.collate(counts, word_id)
+    count_slots = {(int(b), int(t)): [words[i] for i in w.tolist() if i >= 0]
+                   for b, t, w in zip(count_batch["img_b"], count_batch["img_t"], count_batch["img_words"])}
+    singular = {p: s for s, p in tb.SHAPE_PLURALS.items()}
+    for i, ((_, _, q, a), slots) in enumerate(zip(counts, dp.count_route_targets(counts, tb.SHAPE_PLURALS))):
+        word = q.split()[2]
+        scene = counts[i][0]
+        if not slots and i < 200 and len(dp.item_words(scene)) < len(scene["objects"]) + len(scene["boxes"]):
+            continue  # a random scene with two items on one patch: no target
+        if not slots or slots[0] != 0 or len(slots) - 1 != dp.NUMBERS.index(a):
+            out.append(f"count route of {q!r} (answer {a!r}): slots {slots}")
+        elif any((singular.get(word) or word) not in count_slots.get((i, t), []) for t in slots[1:]):
+            out.append(f"count route of {q!r}: a slot without {word!r}")
+    if any(dp.count_route_targets(samples, tb.SHAPE_PLURALS)):
+        out.append("count route targets for digit or colour questions")
+    lm = LlamaModel(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2))
+    lm.set_attn_implementation("eager")
+    _, attention = dp.logits(lm, dp.PositionTable(32), batch, attention_layer=1)
+    if attention.shape != (len(samples), 4, batch["ids"].shape[1]):
+        out.append(f"route attention shape {tuple(attention.shape)}")
+    elif not torch.allclose(attention.sum(-1), torch.ones(len(samples), 4), atol=1e-5):
+        out.append("route attention rows do not sum to 1")
     return out[:5]
 
 
@@ -251,6 +332,28 @@ def centre_item_parity(calib_h5: Path) -> list[str]:
     for (b, m, h, _), (_, mc, _, _) in zip(full, centre):
         if h == "digit" and not np.array_equal(m, mc):
             out.append(f"scene {b}: a digit box's mask changed with object_centres")
+    # box_centres (--align-box-centres): a box's one patch is the decoder pre-stage's box token,
+    # the patch scene_from_meta + item_words put it on, inside its full mask; objects unchanged.
+    import decoder_prestage
+    boxes = tb.pooled_targets(scenes, SHAPES, COLORS, box_centres=True)
+    expected = {}
+    for b, sc in enumerate(scenes):
+        sym = decoder_prestage.scene_from_meta(sc)
+        patch = lambda x, y: min(int(y) // tb.PATCH, tb.GRID - 1) * tb.GRID + min(int(x) // tb.PATCH, tb.GRID - 1)
+        expected[b] = [patch(bx["cx"], bx["cy"]) for bx in sym["boxes"]]
+    seen = {}
+    for (b, m, h, _), (_, mb, _, _) in zip(full, boxes):
+        if h != "digit":
+            if not np.array_equal(m, mb):
+                out.append(f"scene {b}: an object's mask changed with box_centres")
+            continue
+        k = seen.get(b, 0)
+        seen[b] = k + 1
+        p = expected[b][k]
+        if mb.sum() != 1 or not mb[p] or not m[p]:
+            out.append(f"scene {b}: box mask of {int(mb.sum())} patches with box_centres, expected patch {p}")
+    if not seen:
+        out.append("box_centres: the calibration pack has no digit box to check")
     return out[:5]
 
 
@@ -359,6 +462,7 @@ def main() -> int:
         failures += count_layout_parity()
         failures += comparator_parity()
         failures += count_target_parity()
+        failures += route_parity()
         failures += checkpoint_dtypes(first / "model.safetensors")
         failures += relation_schedule_draws()
 
