@@ -399,7 +399,8 @@ def route_targets(samples) -> torch.Tensor:
     The two-box form selects one of two box tokens by their columns (or by the object beside them);
     from the answer loss alone it forms in some runs and not others (0.38-0.43 on symbolic scenes at
     the pre-stage's end, session 19). A loss on the attention from the answer position to that box
-    gives the selection a gradient of its own."""
+    gives the selection a gradient of its own -- which did not help: at weight 0.5 in the remix (with
+    count_route_targets' loss) the form ended at 0.29 against 0.38 without (session 21); off in the recipe."""
     out = torch.full((len(samples),), -1, dtype=torch.long)
     for i, (scene, kind, _, answer) in enumerate(samples):
         if kind != "digit" or len(scene["boxes"]) != 2:
@@ -418,7 +419,8 @@ def count_route_targets(samples, plurals: dict[str, str]) -> list[list[int]]:
 
     Attention spread evenly over those slots puts 1 / (n + 1) on <s>: a head whose output falls
     with the number of matches, the way a decoder counts. From the answer loss alone the pre-stage
-    counts three to five near chance (0.50-0.55 on count layouts, session 20)."""
+    counts three to five near chance (0.50-0.55 on count layouts, session 20). With this loss and
+    route_targets' in the remix (0.5 each) count ended lower (0.43 vs 0.50, session 21); off in the recipe."""
     singular = {p: s for s, p in plurals.items()}
     out: list[list[int]] = []
     for scene, kind, q, _ in samples:
