@@ -729,7 +729,7 @@ def main() -> int:
                     help="first train the vision tower (and, with --align-weight, the projector) alone for N "
                          "steps (0 = off). On session 21's Intel host 1000 steps read 0.67 of held-out digit boxes "
                          "(0.93 on the AMD host that trained models/builtin) and scored 0.7955; 1500: 0.8215; "
-                         "2000: 0.8480 (its end-to-end time not yet measured alone)")
+                         "2000: 0.8480 (24.7 min end to end there, alone)")
     ap.add_argument("--vision-objective", choices=["pooled", "patch"], default="pooled",
                     help="vision-tower auxiliary loss (first stage and joint stage): per object/box on the mean of "
                          "its patch features (shipped), or per patch (the 900-step model's recipe, 16e7112)")
