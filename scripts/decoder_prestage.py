@@ -243,14 +243,18 @@ def scene_from_meta(meta: dict) -> dict:
     return {"objects": objs, "boxes": boxes}
 
 
+def patch_index(x: float, y: float) -> int:
+    """Raster index of the patch holding pixel (x, y) of the canvas."""
+    return min(int(y) // PATCH, GRID - 1) * GRID + min(int(x) // PATCH, GRID - 1)
+
+
 def item_words(scene: dict) -> list[tuple[int, list[str]]]:
     """(centre patch index, words) per object and digit box, raster order of the patches."""
     items = []
-    patch = lambda x, y: min(y // PATCH, GRID - 1) * GRID + min(x // PATCH, GRID - 1)
     for o in scene["objects"]:
-        items.append((patch(o["cx"], o["cy"]), [o["color"], o["shape"], o["size"]]))
+        items.append((patch_index(o["cx"], o["cy"]), [o["color"], o["shape"], o["size"]]))
     for b in scene["boxes"]:
-        items.append((patch(b["cx"], b["cy"]), ["box", NUMBERS[b["label"]]]))
+        items.append((patch_index(b["cx"], b["cy"]), ["box", NUMBERS[b["label"]]]))
     seen, out = set(), []
     for p, w in sorted(items, key=lambda t: t[0]):
         if p not in seen:  # two items on one patch: the first keeps it (one token per position)
@@ -525,8 +529,9 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
         b = collate(samples, word_id)
         route = route_targets(samples) if route_weight > 0 else None
         counted = count_route_targets(samples, sampler.plurals) if count_route_weight > 0 else None
-        guide = ((route is not None and bool((route >= 0).any())) or
-                 (counted is not None and any(counted)))
+        routed = route is not None and bool((route >= 0).any())
+        count_routed = counted is not None and any(counted)
+        guide = routed or count_routed
         probing = probe is not None or count_probe is not None
         res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
         res = res if isinstance(res, tuple) else (res,)
@@ -547,11 +552,11 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             if asked.any():
                 loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
                     count_probe(hidden)[asked], target[asked])
-        if guide and route is not None and (route >= 0).any():
+        if routed:
             asked = route >= 0
             mass = attention[asked, route_head, route[asked]]
             loss = loss + route_weight * -(mass + 1e-6).log().mean()
-        if guide and counted is not None and any(counted):
+        if count_routed:
             rows = [i for i, slots in enumerate(counted) if slots]
             terms = [-(attention[i, count_route_head, counted[i]] + 1e-6).log().mean() for i in rows]
             loss = loss + count_route_weight * torch.stack(terms).mean()

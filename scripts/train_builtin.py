@@ -444,19 +444,19 @@ def pooled_targets(scenes: list[dict], shapes: list[str], colors: list[str], obj
         for o in sc.get("objects", []):
             mask = (np.zeros((GRID, GRID), dtype=bool) if object_centres else
                     np.hypot(px - o["cx"], py - o["cy"]) <= max(0.8 * o["radius"], PATCH / 2))
-            mask[min(int(o["cy"]) // PATCH, GRID - 1), min(int(o["cx"]) // PATCH, GRID - 1)] = True
             m = mask.reshape(-1)
+            m[decoder_prestage.patch_index(o["cx"], o["cy"])] = True
             items.append((b, m, "shape", shapes.index(o["shape"])))
             items.append((b, m, "color", colors.index(o["color"])))
             items.append((b, m, "size", 0 if o["size"] == "small" else 1))
         for dg in sc.get("digits", []):
             x0, y0, side = dg["x"], dg["y"], dg["side"]
             if box_centres:
-                inside = np.zeros((GRID, GRID), dtype=bool)
-                inside[min(int(y0 + side / 2) // PATCH, GRID - 1), min(int(x0 + side / 2) // PATCH, GRID - 1)] = True
+                inside = np.zeros(GRID * GRID, dtype=bool)
+                inside[decoder_prestage.patch_index(x0 + side / 2, y0 + side / 2)] = True
             else:
-                inside = (px >= x0) & (px <= x0 + side) & (py >= y0) & (py <= y0 + side)
-            items.append((b, inside.reshape(-1), "digit", int(dg["label"])))
+                inside = ((px >= x0) & (px <= x0 + side) & (py >= y0) & (py <= y0 + side)).reshape(-1)
+            items.append((b, inside, "digit", int(dg["label"])))
     return items
 
 
