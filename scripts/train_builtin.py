@@ -17,7 +17,7 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
 (docs/BENCHMARKS.md, builtin model, sessions 10-15):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 350 + 250 steps): the decoder
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 350 + 150 + 250 steps): the decoder
    alone on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
@@ -32,6 +32,9 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    which the answer loss alone never started, in any mix or budget (session 17). The
    steps lean first on the horizontal words, then on the vertical ones, then take all
    four evenly: evenly from the start, only the vertical comparison formed (session 18).
+   Then 150 steps of digit questions alone (--prestage-digit-steps): the two-box form ("which digit
+   is in the left box ?") forms there, 0.38 -> 0.85 at the pre-stage's end, which weighting digits in
+   the full mix never did (session 22: digits 0.508 -> 0.584 on images, 0.8480 -> 0.8520 overall).
    Then 250 full-mix steps again for the kinds the relation phases set back, the probe on
    at a fifth of its weight so that the mix keeps the comparisons. Count questions
    come on the generator's count layouts (zero..five uniform);
@@ -46,7 +49,7 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    its patches (--align-object-centres, session 20: no gain measured, 0.8085 vs 0.8125
    without; on because the shipped model was trained with it). 2000 steps, not 1000: on
    session 21's Intel host 1000 steps read 0.67 of held-out digit boxes and the model scored
-   0.7955; 2000 read 0.85 and scored 0.8480 (the shipped model, session 22);
+   0.7955; 2000 read 0.85 and scored 0.8480 (session 22's f7; with the digit phase 0.94 and 0.8520);
 3. joint stage (250 steps): everything on the answers, with the stage-2 losses
    kept on, and extra question/answer turns per image derived from the scene
    layout with the generator's templates, drawn round-robin by kind (the first
@@ -84,9 +87,11 @@ the vision stage's pack already in --work (session 19).
 - Session 20's recipe (the same step counts) took 22.4 min on that session's host (499 s, 558 s,
   261 s), which ran session 19's recipe plus the count scenes in 19.2 min an hour earlier.
 - The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host.
-- The shipped recipe (2000 vision steps) took 24.7 min on session 21's 2-core Intel Xeon (AMX) host
-  (329 s, 914 s, 225 s) and 24.5 min on session 22's (1472 s; vision 923 s, joint 228 s), both
-  fresh and alone, byte for byte the same weights; on the AMD host above an estimated ~31 min.
+- Without the digit phase, 2000 vision steps took 24.7 min on session 21's 2-core Intel Xeon (AMX)
+  host (329 s, 914 s, 225 s) and 24.5 min on session 22's (304 s, 923 s, 228 s), both fresh and
+  alone, byte for byte the same weights. The shipped recipe (with it) took 27.7 min there an hour
+  later (385 s, 1003 s, 255 s; that hour the unchanged first pre-stage phase took 96.5 s instead
+  of 80 s); on the AMD host above an estimated ~33 min.
 
 Writes the checkpoint atomically (temp dir + rename).
 """
@@ -791,6 +796,11 @@ def main() -> int:
                     help="in the remix, digit questions are drawn this many times as often as each other kind "
                          "(1 = evenly): evenly, the two-box form (\"which digit is in the left box ?\") stayed at "
                          "0.38 on symbolic scenes, at 5 it reached 0.70 within the remix (session 19)")
+    ap.add_argument("--prestage-digit-steps", type=int, default=150,
+                    help="digit questions alone for N pre-stage steps after the relation phases, before the "
+                         "remix (0 = off). 150: the two-box digit form ends the pre-stage at 0.85 on symbolic "
+                         "scenes instead of 0.38, and the model answers 0.584 of the digit questions instead of "
+                         "0.508 (47 fixed / 28 broken, p = 0.037; 0.8520 vs 0.8480 overall, session 22)")
     ap.add_argument("--prestage-remix-comparator-weight", type=float, default=0.2,
                     help="weight of the comparator probe in the remix: without it the remix erased formed "
                          "comparisons (per word 0.88-0.94 -> 0.55-0.78), at the relation phases' 1.0 it kept "
@@ -964,6 +974,11 @@ def main() -> int:
                                    kinds=["relation"], comparator_weight=args.prestage_comparator_weight,
                                    comparator_axis_weights=axis_weights,
                                    sampler=dataclasses.replace(sampler, horizontal_share=share)))
+            if args.prestage_digit_steps > 0:
+                # Digit questions alone before the remix: the two-box form ("the left box") forms there
+                # and the remix keeps part of it (session 19, ad hoc: 0.38 -> 0.69 on symbolic scenes).
+                phases.append(dict(steps=args.prestage_digit_steps, seed=args.seed + 12,
+                                   held=min(512, 16 * args.prestage_digit_steps), kinds=["digit"]))
             remix_probe = args.prestage_remix_comparator_weight
             if args.prestage_remix_steps > 0:
                 # Each kind drawn once in the list, digit questions --prestage-remix-digit-weight times.
@@ -976,7 +991,8 @@ def main() -> int:
                              f"-cmp{args.prestage_comparator_weight}-{args.prestage_comparator_layer}"
                              + (f"-remixcmp{remix_probe}" if remix_probe else "")
                              + (f"-remixdigit{args.prestage_remix_digit_weight}"
-                                if args.prestage_remix_digit_weight != 1 else ""))
+                                if args.prestage_remix_digit_weight != 1 else "")
+                             + (f"-digitphase{args.prestage_digit_steps}" if args.prestage_digit_steps else ""))
         if args.prestage_position_first > 0:
             # Size and position (and count) questions alone first: on their own the decoder learns to
             # read the side (session 12), which in the full mix it never does. The key keeps its

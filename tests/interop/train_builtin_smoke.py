@@ -61,7 +61,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
            "--align-object-centres", "--align-box-centres", "--prestage-route-weight", "0.5",
            "--prestage-count-route-weight", "0.5",
-           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-remix-steps", "1"]
+           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-remix-steps", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
