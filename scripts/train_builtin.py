@@ -89,9 +89,10 @@ the vision stage's pack already in --work (session 19).
 - The session-14 recipe (750 + 3000 pre-stage steps) took 39.5 min on this host.
 - Without the digit phase, 2000 vision steps took 24.7 min on session 21's 2-core Intel Xeon (AMX)
   host (329 s, 914 s, 225 s) and 24.5 min on session 22's (304 s, 923 s, 228 s), both fresh and
-  alone, byte for byte the same weights. The shipped recipe (with it) took 27.7 min there an hour
-  later (385 s, 1003 s, 255 s; that hour the unchanged first pre-stage phase took 96.5 s instead
-  of 80 s); on the AMD host above an estimated ~33 min.
+  alone, byte for byte the same weights. The shipped recipe (with it) took 27.7 and 27.6 min there
+  an hour later, fresh and alone, byte for byte the same weights (385 s, 1003 s, 255 s; that hour
+  the unchanged first pre-stage phase took 96.5 s instead of 80 s); on the AMD host above an
+  estimated ~33 min.
 
 Writes the checkpoint atomically (temp dir + rename).
 """
