@@ -799,7 +799,7 @@ def main() -> int:
                          "0.38 on symbolic scenes, at 5 it reached 0.70 within the remix (session 19)")
     ap.add_argument("--prestage-digit-steps", type=int, default=150,
                     help="digit questions alone for N pre-stage steps after the relation phases, before the "
-                         "remix (0 = off). 150: the two-box digit form ends the pre-stage at 0.85 on symbolic "
+                         "remix (0 = off; like the remix, it runs only with --prestage-relation-schedule). 150: the two-box digit form ends the pre-stage at 0.85 on symbolic "
                          "scenes instead of 0.38, and the model answers 0.584 of the digit questions instead of "
                          "0.508 (47 fixed / 28 broken, p = 0.037; 0.8520 vs 0.8480 overall, session 22)")
     ap.add_argument("--prestage-remix-comparator-weight", type=float, default=0.2,
@@ -977,7 +977,7 @@ def main() -> int:
                                    sampler=dataclasses.replace(sampler, horizontal_share=share)))
             if args.prestage_digit_steps > 0:
                 # Digit questions alone before the remix: the two-box form ("the left box") forms there
-                # and the remix keeps part of it (session 19, ad hoc: 0.38 -> 0.69 on symbolic scenes).
+                # and the remix keeps it (0.38 -> 0.85 at the pre-stage's end, session 22).
                 phases.append(dict(steps=args.prestage_digit_steps, seed=args.seed + 12,
                                    held=min(512, 16 * args.prestage_digit_steps), kinds=["digit"]))
             remix_probe = args.prestage_remix_comparator_weight
