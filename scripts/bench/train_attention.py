@@ -58,8 +58,9 @@ def main() -> int:
     config = train_builtin.make_config(67, 4, {"<s>": 2, "</s>": 3, "<pad>": 0})
     size = train_builtin.IMAGE_SIZE
 
+    pixels = torch.randn(64, 3, size, size, generator=torch.Generator().manual_seed(0))  # outside the timed steps
+
     def tower_loss(model):
-        pixels = torch.randn(64, 3, size, size, generator=torch.Generator().manual_seed(0))
         out = model(pixel_values=pixels, output_hidden_states=True)
         return out.hidden_states[config.vision_feature_layer].float().pow(2).mean()
 
