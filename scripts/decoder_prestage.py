@@ -248,19 +248,50 @@ def patch_index(x: float, y: float) -> int:
     return min(int(y) // PATCH, GRID - 1) * GRID + min(int(x) // PATCH, GRID - 1)
 
 
-def item_words(scene: dict) -> list[tuple[int, list[str]]]:
-    """(centre patch index, words) per object and digit box, raster order of the patches."""
-    items = []
-    for o in scene["objects"]:
-        items.append((patch_index(o["cx"], o["cy"]), [o["color"], o["shape"], o["size"]]))
-    for b in scene["boxes"]:
-        items.append((patch_index(b["cx"], b["cy"]), ["box", NUMBERS[b["label"]]]))
+# Item tags (PositionTable(tag_words=...)): words a symbolic token carries beyond its own, each
+# under its own fixed rotation of the word-embedding space, that turn a question which needs
+# counting or a second hop into a lookup on one token:
+# - count_color / count_shape, on an object: the number of objects of its colour / of its shape
+#   in the scene, itself included ("how many red objects" -> any red object's count_color);
+# - next_digit, on an object with a digit box beside it (the "next to" layout): that box's digit;
+# - box_side, on each of two digit boxes side by side: "left" or "right".
+TAGS = ("count_color", "count_shape", "next_digit", "box_side")
+TAG_WORDS = {"count_color": NUMBERS, "count_shape": NUMBERS, "next_digit": NUMBERS, "box_side": ["left", "right"]}
+NO_TAG = -1
+
+
+def item_tags(scene: dict) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """Per object and per digit box (the scene's orders), its tags: one index into TAG_WORDS[tag]
+    per TAGS entry, NO_TAG where it has none. Boxes with an "anchor" (next_to_scene,
+    scene_from_meta) are the next-to layout; two boxes without are the left/right one."""
+    objs, boxes = scene["objects"], scene["boxes"]
+    beside = {b["anchor"]: b["label"] for b in boxes if "anchor" in b}
+    obj_tags = [(sum(x["color"] == o["color"] for x in objs), sum(x["shape"] == o["shape"] for x in objs),
+                 beside.get(j, NO_TAG), NO_TAG) for j, o in enumerate(objs)]
+    box_tags = [(NO_TAG,) * 4 for _ in boxes]
+    if len(boxes) == 2 and not beside:
+        left = 0 if boxes[0]["cx"] <= boxes[1]["cx"] else 1
+        box_tags = [(NO_TAG, NO_TAG, NO_TAG, 0 if i == left else 1) for i in range(2)]
+    return obj_tags, box_tags
+
+
+def scene_items(scene: dict) -> list[tuple[int, list[str], tuple[int, ...]]]:
+    """(centre patch index, words, tags) per object and digit box, raster order of the patches."""
+    obj_tags, box_tags = item_tags(scene)
+    items = [(patch_index(o["cx"], o["cy"]), [o["color"], o["shape"], o["size"]], t)
+             for o, t in zip(scene["objects"], obj_tags)]
+    items += [(patch_index(b["cx"], b["cy"]), ["box", NUMBERS[b["label"]]], t) for b, t in zip(scene["boxes"], box_tags)]
     seen, out = set(), []
-    for p, w in sorted(items, key=lambda t: t[0]):
+    for p, w, tags in sorted(items, key=lambda t: t[0]):
         if p not in seen:  # two items on one patch: the first keeps it (one token per position)
             seen.add(p)
-            out.append((p, w))
+            out.append((p, w, tags))
     return out
+
+
+def item_words(scene: dict) -> list[tuple[int, list[str]]]:
+    """(centre patch index, words) per object and digit box, raster order of the patches."""
+    return [(p, w) for p, w, _ in scene_items(scene)]
 
 
 def collate(samples, word_id: dict[str, int]) -> dict:
@@ -268,18 +299,18 @@ def collate(samples, word_id: dict[str, int]) -> dict:
     rows = []
     image_start = 2
     for scene, kind, q, a in samples:
-        items = item_words(scene)
+        items = scene_items(scene)
         q_ids = [word_id[w] for w in q.split()] + [word_id["ASSISTANT:"]]
         a_ids = [word_id[w] for w in a.split()] + [word_id["</s>"]]
         text_start = image_start + GRID * GRID
-        pos = [0, 1] + [image_start + p for p, _ in items] + list(range(text_start, text_start + len(q_ids) + len(a_ids)))
+        pos = [0, 1] + [image_start + p for p, _, _ in items] + list(range(text_start, text_start + len(q_ids) + len(a_ids)))
         ids = [word_id["<s>"], word_id["USER:"]] + [word_id["<pad>"]] * len(items) + q_ids + a_ids
         prefix = image_start + len(items) + len(q_ids)
         rows.append((ids, pos, [-100] * prefix + a_ids, items, prefix - 1, kind, a_ids[0]))
     T, B = max(len(r[0]) for r in rows), len(rows)
     batch = {"ids": torch.full((B, T), word_id["<pad>"], dtype=torch.long), "pos": torch.zeros(B, T, dtype=torch.long),
              "labels": torch.full((B, T), -100, dtype=torch.long), "attn": torch.zeros(B, T, dtype=torch.long)}
-    img_b, img_t, img_words, img_patch = [], [], [], []
+    img_b, img_t, img_words, img_patch, img_tags = [], [], [], [], []
     for b, (ids, pos, lab, items, _, _, _) in enumerate(rows):
         n = len(ids)
         batch["ids"][b, :n] = torch.tensor(ids)
@@ -287,20 +318,23 @@ def collate(samples, word_id: dict[str, int]) -> dict:
         batch["pos"][b, n:] = pos[-1] + 1 + torch.arange(T - n)  # masked out; any value works
         batch["labels"][b, :n] = torch.tensor(lab)
         batch["attn"][b, :n] = 1
-        for j, (p, words) in enumerate(items):
+        for j, (p, words, tags) in enumerate(items):
             img_b.append(b)
             img_t.append(image_start + j)
             img_words.append([word_id[w] for w in words])
             img_patch.append(p)
+            img_tags.append(list(tags))
     words = torch.full((len(img_words), 3), -1, dtype=torch.long)
     for j, w in enumerate(img_words):
         words[j, :len(w)] = torch.tensor(w)
     batch.update(img_b=torch.tensor(img_b), img_t=torch.tensor(img_t), img_words=words,
-                 img_patch=torch.tensor(img_patch), answer_pos=torch.tensor([r[4] for r in rows]),
+                 img_patch=torch.tensor(img_patch), img_tags=torch.tensor(img_tags, dtype=torch.long).view(-1, len(TAGS)),
+                 answer_pos=torch.tensor([r[4] for r in rows]),
                  kinds=[r[5] for r in rows], answer=torch.tensor([r[6] for r in rows]))
     return batch
 
 
+TAG_SEED = 20261204  # the item tags' rotations (PositionTable(tag_words=...))
 SIDE_SCALE = 12.0  # px: the side component saturates this far from the centre line (questions need >= 14)
 
 
@@ -327,13 +361,49 @@ class PositionTable(torch.nn.Module):
     (0.585 vs 0.785 held-out at step 3000, with --next-to) and position stayed at 0.65, and switched
     on after the routing had formed it was never picked up (docs/BENCHMARKS.md, sessions 11, 12)."""
 
-    def __init__(self, hidden: int, side_words: tuple[int, int, int, int] | None = None):
+    def __init__(self, hidden: int, side_words: tuple[int, int, int, int] | None = None,
+                 tag_words: dict[str, list[int]] | None = None):
         super().__init__()
         self.row = torch.nn.Embedding(GRID, hidden)
         self.col = torch.nn.Embedding(GRID, hidden)
         torch.nn.init.normal_(self.row.weight, std=0.02)
         torch.nn.init.normal_(self.col.weight, std=0.02)
         self.side_words = side_words
+        # The item tags in use (some of TAGS) -> the token ids of their TAG_WORDS.
+        self.tag_words = {t: tag_words[t] for t in TAGS if t in tag_words} if tag_words else {}
+        # Whether logits() adds the tags to the symbolic tokens (train_builtin.py turns them on in
+        # the pre-stage's last phases only); the vision stage's targets have them either way.
+        self.tags_active = bool(self.tag_words)
+        if self.tag_words:
+            # One fixed random rotation per tag (their own generator: the torch RNG, and so every
+            # other initialisation, stays as without them; not saved, rebuilt here).
+            g = torch.Generator().manual_seed(TAG_SEED)
+            rotations = [torch.linalg.qr(torch.randn(hidden, hidden, generator=g))[0] for _ in TAGS]
+            self.register_buffer("tag_rotations", torch.stack(rotations), persistent=False)
+
+    def tag_word_table(self, embed_weight: torch.Tensor, tag: str) -> torch.Tensor:
+        """[len(TAG_WORDS[tag]), hidden]: the tag's words' embeddings under its rotation."""
+        # A one-hot matmul, not indexing: the backward of an index sums into the embedding rows in an
+        # order that varies between runs on 2 threads (session 25: the same seed gave other weights).
+        pick = torch.nn.functional.one_hot(torch.tensor(self.tag_words[tag]), embed_weight.size(0)).to(embed_weight.dtype)
+        return (pick @ embed_weight) @ self.tag_rotations[TAGS.index(tag)].T
+
+    def item_tag(self, embed_weight: torch.Tensor, tags: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] per item: the sum of its tags in use, each its word under the tag's rotation;
+        tags [N, len(TAGS)] (collate's img_tags), NO_TAG where an item has none.
+
+        Counting on the decoder's side stays near chance from two on whatever the pre-stage tried
+        (0.43-0.58 on symbolic scenes; docs/BENCHMARKS.md, sessions 13-24), while it looks up an
+        object's attributes reliably. With the tags such questions become lookups, and the counting
+        (and the box beside an object, the box left of another) moves to the vision tower, whose
+        bidirectional attention sees the whole image and whose stage supervises every item densely."""
+        out = embed_weight.new_zeros(tags.size(0), embed_weight.size(1))
+        for tag in self.tag_words:
+            n = tags[:, TAGS.index(tag)]
+            table = self.tag_word_table(embed_weight, tag)
+            pick = torch.nn.functional.one_hot(n.clamp(min=0), table.size(0)).to(table.dtype) * (n >= 0).unsqueeze(-1)
+            out = out + pick @ table
+        return out
 
     def forward(self, patch: torch.Tensor, embed_weight: torch.Tensor | None = None) -> torch.Tensor:
         out = self.row(patch // GRID) + self.col(patch % GRID)
@@ -360,6 +430,8 @@ def logits(lm, positions: PositionTable, batch: dict, hidden_layer: int | None =
     if batch["img_words"].numel():
         w = batch["img_words"]
         feats = (embed(w.clamp(min=0)) * (w >= 0).unsqueeze(-1)).sum(1) + positions(batch["img_patch"], embed.weight)
+        if positions.tag_words and positions.tags_active:
+            feats = feats + positions.item_tag(embed.weight, batch["img_tags"])
         x = x.index_put((batch["img_b"], batch["img_t"]), feats)
     out = lm(inputs_embeds=x, position_ids=batch["pos"], attention_mask=batch["attn"],
              output_hidden_states=hidden_layer is not None, output_attentions=attention_layer is not None)
@@ -576,17 +648,24 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
 
 
 def aligned_targets(scenes: list[dict], items, embed_weight: torch.Tensor, position_table: torch.Tensor,
-                    word_id: dict[str, int], shapes: list[str], colors: list[str]) -> torch.Tensor:
+                    word_id: dict[str, int], shapes: list[str], colors: list[str],
+                    positions: PositionTable | None = None) -> torch.Tensor:
     """[B, GRID*GRID, hidden] features the pre-trained decoder reads: every patch its position
     vector, plus on an object's patches the embeddings of its colour, shape and size words and on a
     digit box's patches those of "box" and its digit word (as the symbolic image tokens).
 
-    items: train_builtin.pooled_targets(scenes, ...) -- (sample, patch mask, head, label)."""
+    items: train_builtin.pooled_targets(scenes, ...) -- (sample, patch mask, head, label); its
+    items whose head is one of TAGS add that tag's rotated word where positions uses the tag."""
     out = position_table.detach().unsqueeze(0).repeat(len(scenes), 1, 1)
     words = {"shape": shapes, "color": colors, "size": ["small", "large"], "digit": NUMBERS}
     e = embed_weight.detach()
+    tags = {t: positions.tag_word_table(e, t) for t in positions.tag_words} if positions is not None else {}
     for b, mask, head, label in items:
         m = torch.from_numpy(mask)
+        if head in TAGS:
+            if head in tags:
+                out[b, m] += tags[head][label]
+            continue
         out[b, m] += e[word_id[words[head][label]]]
         if head == "digit":
             out[b, m] += e[word_id["box"]]
@@ -613,21 +692,25 @@ READOUT_SCALE = 10.0
 
 
 def readout_loss(projected: torch.Tensor, items, embed_weight: torch.Tensor, word_id: dict[str, int],
-                 shapes: list[str], colors: list[str]) -> torch.Tensor:
+                 shapes: list[str], colors: list[str], positions: PositionTable | None = None) -> torch.Tensor:
     """Cross-entropy of reading each object's colour, shape and size word and each box's digit word
     out of the mean of its projected patch features [B, GRID*GRID, hidden] through the decoder's
     (tied, frozen here) embeddings, among the words of that attribute: the read the pre-staged
     decoder does with attention on the item and its tied head.
 
     The alignment loss is a mean over all patches, ~90 % background, and measures the whole vector;
-    this one weighs every item equally and only the component that tells its words apart."""
+    this one weighs every item equally and only the component that tells its words apart.
+    With positions' item tags, also each item's tags among their rotated words."""
     words = {"shape": shapes, "color": colors, "size": ["small", "large"], "digit": NUMBERS}
     e = embed_weight.detach()
+    tables = {head: e[torch.tensor([word_id[w] for w in vocab])] for head, vocab in words.items()}
+    if positions is not None:
+        tables.update({t: positions.tag_word_table(e, t) for t in positions.tag_words})
     terms = []
-    for head, vocab in words.items():
+    for head, table in tables.items():
         rows = [(b, m, y) for b, m, h, y in items if h == head]
         if not rows:
             continue
-        logits = READOUT_SCALE * item_means(projected, rows) @ e[torch.tensor([word_id[w] for w in vocab])].T
+        logits = READOUT_SCALE * item_means(projected, rows) @ table.T
         terms.append(torch.nn.functional.cross_entropy(logits, torch.tensor([y for _, _, y in rows])))
     return torch.stack(terms).mean() if terms else projected.new_zeros(())

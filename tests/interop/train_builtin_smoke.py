@@ -27,7 +27,9 @@ readout losses) and checks that
     digit box on the patch of its pre-stage token),
   - the pre-stage's route targets point at the box a two-box digit question asks about, and
     its count route targets at <s> and the objects a count question counts,
-  - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type.
+  - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type,
+  - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
+    stand for, on calibration scenes and on the pre-stage's symbolic ones.
 Exits 1 with one line per failure.
 """
 
@@ -61,7 +63,9 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
            "--align-object-centres", "--align-box-centres", "--prestage-route-weight", "0.5",
            "--prestage-count-route-weight", "0.5",
-           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-remix-steps", "1"]
+           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-remix-steps", "1",
+           "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
+           "--vision-count-scenes", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -244,6 +248,86 @@ def count_target_parity(draws: int = 300) -> list[str]:
         n = dp.NUMBERS.index(a)
         if t != [1.0] * n + [0.0] * (dp.COUNT_THRESHOLDS - n):
             out.append(f"count target {t} for {q!r} (answer {a!r})")
+    return out[:5]
+
+
+def item_tag_parity(calib_h5: Path, draws: int = 400) -> list[str]:
+    """The item tags (--count-tags, --digit-tags) answer the questions they stand for: on the
+    generator's own calibration scenes (train_builtin.pooled_targets, the vision stage's targets) and
+    on the pre-stage's symbolic scenes (decoder_prestage.scene_items, what its tokens carry), every
+    object a count question counts has that count as its tag, the object a "next to" question names
+    has the asked box's digit, and the box a "left / right box" question names has that side. Every
+    tag is drawn on both, and none is given with the tags off."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    singular = {p: s for s, p in tb.SHAPE_PLURALS.items()}
+    out, seen = [], set()
+
+    def check(q: str, a: str, objects: list[tuple[dict, dict]], boxes: list[tuple[int, dict]], where: str) -> None:
+        """objects: (object, {tag: word index}); boxes: (label, {tag: word index})."""
+        words = q.split()
+        if q.startswith("how many "):
+            word = words[2]
+            counted = [t for o, t in objects if (o["shape"] == singular[word] if word in singular else o["color"] == word)]
+            tag = "count_shape" if word in singular else "count_color"
+            seen.add(tag) if counted else None
+            if any(t.get(tag) != dp.NUMBERS.index(a) for t in counted):
+                out.append(f"{where}: {q!r} (answer {a!r}): {tag} tags {[t.get(tag) for t in counted]}")
+        elif " next to the " in q:
+            named = [t for o, t in objects if f"{o['color']} {o['shape']}" == " ".join(words[-3:-1])]
+            seen.add("next_digit")
+            if len(named) != 1 or named[0].get("next_digit") != dp.NUMBERS.index(a):
+                out.append(f"{where}: {q!r} (answer {a!r}): next_digit tags {[t.get('next_digit') for t in named]}")
+        elif q.endswith(" box ?") and words[-3] in ("left", "right"):
+            side = 0 if words[-3] == "left" else 1
+            named = [label for label, t in boxes if t.get("box_side") == side]
+            seen.add("box_side")
+            if named != [dp.NUMBERS.index(a)]:
+                out.append(f"{where}: {q!r} (answer {a!r}): boxes tagged {words[-3]} hold {named}")
+
+    pack = tb.Pack(calib_h5)
+    idx = np.arange(len(pack))
+    _, questions, answers, _ = pack.batch(idx)
+    scenes = pack.scenes(idx)
+    items = tb.pooled_targets(scenes, SHAPES, COLORS, tags=dp.TAGS)
+    for b, (sc, q, a) in enumerate(zip(scenes, questions, answers)):
+        mine = [it for it in items if it[0] == b]
+        # pooled_targets lists an object's items (shape, colour, size, its tags), then a box's (digit, its tags).
+        objects, boxes, k = [], [], 0
+        for o in sc.get("objects", []):
+            k += 3
+            tags = {}
+            while k < len(mine) and mine[k][2] in dp.TAGS:
+                tags[mine[k][2]] = mine[k][3]
+                k += 1
+            objects.append((o, tags))
+        while k < len(mine):
+            label, k, tags = mine[k][3], k + 1, {}
+            while k < len(mine) and mine[k][2] in dp.TAGS:
+                tags[mine[k][2]] = mine[k][3]
+                k += 1
+            boxes.append((label, tags))
+        check(q, a, objects, boxes, f"calibration scene {b}")
+    if any(h in dp.TAGS for _, _, h, _ in tb.pooled_targets(scenes, SHAPES, COLORS)):
+        out.append("pooled_targets gives item tags with the tags off")
+    missing = set(dp.TAGS) - seen
+    seen.clear()
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, next_to=True, count_layouts=True)
+    rng = np.random.default_rng(23)
+    for i in range(draws):
+        scene, _, q, a = sampler.sample(rng, ["count", "digit"])
+        if len(dp.scene_items(scene)) < len(scene["objects"]) + len(scene["boxes"]):
+            continue  # two items on one patch: one token lost
+        by_patch = {p: tags for p, _, tags in dp.scene_items(scene)}
+        patch = lambda x: dp.patch_index(x["cx"], x["cy"])
+        as_dict = lambda tags: {t: v for t, v in zip(dp.TAGS, tags) if v != dp.NO_TAG}
+        check(q, a, [(o, as_dict(by_patch[patch(o)])) for o in scene["objects"]],
+              [(bx["label"], as_dict(by_patch[patch(bx)])) for bx in scene["boxes"]], f"symbolic draw {i}")
+    missing |= set(dp.TAGS) - seen
+    if missing:
+        out.append(f"item tags never checked: {sorted(missing)}")
     return out[:5]
 
 
@@ -465,6 +549,7 @@ def main() -> int:
         failures += route_parity()
         failures += checkpoint_dtypes(first / "model.safetensors")
         failures += relation_schedule_draws()
+        failures += item_tag_parity(work / "calib.h5")
 
     for f in failures:
         print(f"FAIL {f}")
