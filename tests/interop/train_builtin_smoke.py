@@ -29,7 +29,8 @@ readout losses) and checks that
     its count route targets at <s> and the objects a count question counts,
   - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type,
   - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
-    stand for, on calibration scenes and on the pre-stage's symbolic ones.
+    stand for, on calibration scenes and on the pre-stage's symbolic ones, and the tagged pre-stage
+    steps are deterministic on 2 threads at the builtin decoder's size.
 Exits 1 with one line per failure.
 """
 
@@ -331,6 +332,44 @@ def item_tag_parity(calib_h5: Path, draws: int = 400) -> list[str]:
     return out[:5]
 
 
+def tag_phase_determinism(steps: int = 10) -> list[str]:
+    """The pre-stage's tagged phases (--count-tags) give the same weights twice from one seed on 2
+    threads, at the builtin decoder's size. Gathering the tag words by indexing made the backward sum
+    into the embedding rows in a varying order (session 25: weights 1e-7 apart after 10 steps, which
+    the last full-mix phase amplified into a 0.2 swing of relation); the smoke runs above use 1 thread
+    and small sizes, where that does not show."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import torch
+    import decoder_prestage as dp
+    import train_builtin as tb
+    from transformers import LlamaConfig, LlamaModel
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True)
+    words = ["<pad>", "<s>", "</s>", "USER:", "ASSISTANT:", "how", "many", "objects", "are", "there", "?"]
+    words += dp.NUMBERS + SHAPES + COLORS + list(tb.SHAPE_PLURALS.values()) + ["small", "large", "left", "right"]
+    word_id = {w: i for i, w in enumerate(words)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    def run() -> torch.Tensor:
+        torch.manual_seed(0)
+        lm = LlamaModel(LlamaConfig(vocab_size=len(words), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                    num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True))
+        lm.set_attn_implementation("eager")
+        positions = dp.PositionTable(256, None, {t: [word_id[w] for w in dp.TAG_WORDS[t]]
+                                                 for t in ("count_color", "count_shape")})
+        dp.pretrain(lm, positions, sampler, word_id, steps=steps, kinds=["count"], held=64, eval_every=10**6,
+                    log=lambda *_: None)
+        return torch.cat([p.detach().flatten() for p in list(lm.parameters()) + list(positions.parameters())])
+
+    try:
+        first, second = run(), run()
+    finally:
+        torch.set_num_threads(threads)
+    if not torch.equal(first, second):
+        return [f"tagged pre-stage steps on 2 threads: same seed, weights up to {float((first - second).abs().max()):.3g} apart"]
+    return []
+
+
 def checkpoint_dtypes(model: Path) -> list[str]:
     """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
     from safetensors import safe_open
@@ -550,6 +589,7 @@ def main() -> int:
         failures += checkpoint_dtypes(first / "model.safetensors")
         failures += relation_schedule_draws()
         failures += item_tag_parity(work / "calib.h5")
+        failures += tag_phase_determinism()
 
     for f in failures:
         print(f"FAIL {f}")
