@@ -281,6 +281,12 @@ std::vector<Gate> parse_gates(const DiagnoseOptions& options) {
     if (gate.metric.rfind("cmp_", 0) == 0 && options.bundle.empty())
       throw Error(ExitCode::kUsage, fmt::format("--fail-on '{}': metric '{}' compares with an optimized bundle and needs --bundle",
                                                 expr, gate.metric));
+    // Without knock-out samples the gate would see no values and pass without measuring anything.
+    if (gate.metric == "knockout_delta" && options.knockout_limit == 0)
+      throw Error(ExitCode::kUsage,
+                  fmt::format("--fail-on '{}': metric 'knockout_delta' is measured on the first --knockout-limit "
+                              "samples and needs --knockout-limit > 0",
+                              expr));
     gates.push_back(std::move(gate));
   }
   return gates;

@@ -199,6 +199,15 @@ TEST_CASE("diagnose-align gates: failing gates raise GateError (exit 4), malform
   }
   options.fail_on = {"cmp_js>0.1"};  // comparison metric without --bundle
   CHECK_THROWS_AS(align::diagnose(options), Error);
+  options.fail_on = {"knockout_delta>-1:80%"};  // knock-out metric without knock-out samples
+  options.knockout_limit = 0;
+  try {
+    align::diagnose(options);
+    FAIL("knockout_delta gate without --knockout-limit accepted");
+  } catch (const Error& e) {
+    CHECK(e.code() == ExitCode::kUsage);
+    CHECK(std::string(e.what()).find("--knockout-limit") != std::string::npos);
+  }
   CHECK_FALSE(fs::exists(tmp / "never"));  // rejected before any work
 }
 
@@ -262,46 +271,22 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
   const auto damaged = tmp / "damaged";
   write_shuffled_projector_copy(builtin, damaged, 1234);
 
-  // Scrambled image features leave the text without a place to look: the
-  // text->visual attention spreads out and less of it lands on the image. Measured on the
-  // session-10 model (96 samples of builtin:eval; quantiles 10/50/90 %): last_tau_align
-  // clean 0.12/0.25/0.44 nats vs shuffled 0.28/0.51/0.95; attn_mass clean
-  // 0.56/0.65/0.72 vs shuffled 0.50/0.56/0.64; topk_mass clean 0.992/0.998/1.000
-  // vs shuffled 0.968/0.986/0.996. The session-12 model, which also reads each object's
-  // side, spreads its answer row more (last_tau_align clean 0.25-1.07 vs shuffled
-  // 0.47-1.30 on the 24 samples below: no longer a gate that separates them); over all
-  // text rows it still does: tau_align clean 1.82-2.61 vs shuffled 1.87-2.94 nats,
-  // attn_mass clean 0.46-0.62 vs shuffled 0.38-0.50, topk_mass clean 0.90-0.99 vs
-  // shuffled 0.84-0.98. The gates below count 0, 2, 0 clean and 8, 20, 8 shuffled samples
-  // (accuracy 0.67 clean, 0.38 shuffled). (The 900-step model of 16e7112, which had not
-  // learned to route, separated on entropy at ~4 nats instead.) The session-14 model puts
-  // more of its attention on the image: attn_mass clean 0.69-0.76 vs shuffled 0.59-0.68
-  // (tau_align clean 1.79-2.63 vs 2.37-3.06, topk_mass clean 0.91-0.98 vs 0.79-0.87;
-  // accuracy 0.875 vs 0.25). The session-15 model spreads its text rows more, and attn_mass
-  // no longer separates (clean 0.51-0.77 vs shuffled 0.52-0.69); the entropies and the top-k
-  // mass do: tau_align clean 2.25-2.99 vs shuffled 2.95-3.42 nats, tau_norm 0.45-0.60 vs
-  // 0.59-0.69, topk_mass 0.81-0.93 vs 0.70-0.81 (accuracy 0.83 vs 0.17). The session-16
-  // model (joint stage at a higher rate): tau_align clean 2.19-3.10 vs shuffled 2.91-3.38 nats,
-  // tau_norm 0.44-0.62 vs 0.59-0.68, topk_mass 0.79-0.93 vs 0.71-0.80 (accuracy 0.83 vs 0.25).
-  // The session-20 model puts an object's words on its centre patch alone, so its clean text rows
-  // spread over more of the image: tau_align clean 2.65-3.36 vs shuffled 3.04-3.46 nats, tau_norm
-  // 0.53-0.68 vs 0.61-0.70, topk_mass 0.73-0.85 vs 0.70-0.76 (accuracy 0.92 vs 0.21). The
-  // session-20 gates tau_align>3.25, tau_norm>0.655 and topk_mass<0.74 counted 3, 3, 3 clean and
-  // 16, 16, 16 shuffled samples. The session-22 model (a digit-only pre-stage phase, a longer vision
-  // stage) concentrates its clean text rows again, and the three separate fully or nearly: tau_align
-  // clean 2.39-3.09 vs shuffled 3.09-3.46 nats, tau_norm 0.48-0.62 vs 0.62-0.70, topk_mass 0.77-0.88
-  // vs 0.67-0.75 (accuracy 0.79 vs 0.08). js_drift (0.31-0.53 vs 0.31-0.46) and attn_mass
-  // (0.49-0.72 vs 0.57-0.70) do not separate on it, although they did on a sibling model without the
-  // digit phase (docs/align.md). The gates below count 3, 3, 1 of the 24 clean samples (4 allowed;
-  // the next ones are 0.009, 0.008 and 0.008 from the thresholds) and 24, 24, 24 shuffled ones.
-  const std::vector<std::string> gates = {"tau_align>2.95:20%", "tau_norm>0.60:20%", "topk_mass<0.78:20%"};
+  // The gate is on grounding, not on the attention's shape. With scrambled features the answer no
+  // longer depends on where the text looks: masking the 10 % of visual tokens the text attends to
+  // most (knockout_delta, nats) leaves it where it was. On 24 samples of builtin:eval at most 16
+  // clean samples keep their answer's log-probability within 1 nat (13-16 on the session-22
+  // model and four session-25 siblings; 11-17 per 24-sample window over 96) against 23-24 shuffled
+  // ones (all 96 of 96). The attention-shape metrics (tau_align, tau_norm, topk_mass, js_drift,
+  // attn_mass) separated the two on some checkpoints and not on others: their per-checkpoint
+  // thresholds are in docs/align.md, and they are printed below for the record.
+  const std::vector<std::string> gates = {"knockout_delta>-1:80%"};
   const auto run = [&](const fs::path& model, const std::string& out) {
     align::DiagnoseOptions o;
     o.session.model = model.string();
     o.session.max_new_tokens = 4;
     o.data = "builtin:eval";
     o.limit = 24;
-    o.knockout_limit = 0;
+    o.knockout_limit = 24;
     o.heatmaps = 4;
     o.fail_on = gates;
     o.out = tmp / out;
@@ -314,7 +299,8 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
     return fmt::format("mean {:.5f} [min {:.5f}, max {:.5f}]", st["mean"].get<double>(), st["min"].get<double>(),
                        st["max"].get<double>());
   };
-  for (const char* metric : {"last_tau_align", "tau_align", "tau_norm", "topk_mass", "js_drift", "attn_mass", "modality_gap"})
+  for (const char* metric : {"knockout_delta", "knockout_delta_random", "last_tau_align", "tau_align", "tau_norm",
+                             "topk_mass", "js_drift", "attn_mass", "modality_gap"})
     MESSAGE(std::string(metric) << ": clean " << range(clean, metric) << " | shuffled projector " << range(bad, metric));
   MESSAGE("accuracy: clean " << clean.report["summary"]["accuracy"].get<double>() << ", shuffled projector "
                              << bad.report["summary"]["accuracy"].get<double>());

@@ -31,7 +31,8 @@ void register_diagnose_align(CLI::App& root, const GlobalOptions& globals) {
       ->capture_default_str();
   cmd->add_option("--fail-on", opts->fail_on,
                   "Gate METRIC>VALUE[:PCT%] or METRIC<VALUE[:PCT%]: exit 4 when more than PCT % of the samples "
-                  "meet the condition (repeatable), e.g. 'tau_align>2.1:5%', 'dt_sem_ms>320:10%'");
+                  "meet the condition (repeatable), e.g. 'tau_align>2.1:5%', 'dt_sem_ms>320:10%', "
+                  "'knockout_delta>-1:80%' (over the --knockout-limit samples)");
   cmd->add_option("--knockout-limit", opts->knockout_limit, "Knock-out test on the first N samples (0 = none)")
       ->capture_default_str();
   cmd->add_option("--sink-factor", opts->sink_factor, "Attention sink: more than this times the uniform share")
