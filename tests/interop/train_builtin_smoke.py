@@ -19,7 +19,7 @@ readout losses) and checks that
   - the questions the script derives from a scene's layout (the pre-stage's and the
     joint stage's extra turns) answer the generator's own question of every calibration
     scene they cover the same way, and cover nearly all of them (exist: 3 in 4),
-  - the pre-stage's count layouts answer as its question list does, one token per object,
+  - the pre-stage's count and binding layouts answer as its question list does, one token per object,
   - the pre-stage's comparator targets agree with every relation question's answer, and its
     count targets are the ordinal code of every count question's answer,
   - the checkpoint holds float32 weights whatever --precision the stages trained under,
@@ -64,7 +64,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
            "--align-object-centres", "--align-box-centres", "--prestage-route-weight", "0.5",
            "--prestage-count-route-weight", "0.5",
-           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-remix-steps", "1",
+           "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
+           "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--vision-count-scenes", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
@@ -120,6 +121,50 @@ def count_layout_parity(draws: int = 600) -> list[str]:
     for n in dp.NUMBERS[:6]:
         if not 0.5 / 6 * draws <= answers.count(n) <= 1.5 / 6 * draws:
             out.append(f"count layouts answer {n!r} {answers.count(n)} times in {draws}")
+    return out[:5]
+
+
+def binding_layout_parity(draws: int = 600) -> list[str]:
+    """decoder_prestage.SymbolicScenes.binding_sample (--prestage-binding-steps): every colour answer
+    is the colour of the one object the question names (by shape, or by size and shape), every
+    exist answer says whether an object of that colour and shape is there, every object is its own
+    symbolic token, half the colour draws name the size of a same-shape pair of different sizes, the
+    lured "no" shares an attribute with an object, and sample() draws these layouts when asked to."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True, binding_layouts=True)
+    rng = np.random.default_rng(11)
+    out, pairs, colour, lured, no = [], 0, 0, 0, 0
+    for i in range(draws):
+        drawn = sampler.binding_sample(rng, ["color", "exist"][i % 2])
+        if drawn is None:
+            continue
+        scene, kind, q, a = drawn
+        objs, words = scene["objects"], q.split()
+        if kind == "color":
+            colour += 1
+            named = [o for o in objs if o["shape"] == words[-2] and (len(words) == 6 or o["size"] == words[4])]
+            same = [o for o in objs if o["shape"] == words[-2]]
+            pairs += len(same) == 2 and same[0]["size"] != same[1]["size"]
+            truth = named[0]["color"] if len(named) == 1 else None
+        else:
+            truth = "yes" if any((o["color"], o["shape"]) == (words[3], words[4]) for o in objs) else "no"
+            if truth == "no":
+                no += 1
+                lured += any(o["color"] == words[3] or o["shape"] == words[4] for o in objs)
+        if truth != a:
+            out.append(f"binding layout {q!r}: answer {a!r}, the scene's {truth!r}")
+        if len(dp.item_words(scene)) != len(objs):
+            out.append(f"binding layout {q!r}: {len(objs)} objects on {len(dp.item_words(scene))} patches")
+    if not 0.4 * colour <= pairs <= 0.6 * colour:
+        out.append(f"binding layouts: {pairs} sized pairs in {colour} colour draws, expected about half")
+    if lured < 0.6 * no:
+        out.append(f"binding layouts: {lured} of {no} 'no' exist draws lured")
+    sized = [sampler.sample(rng, ["color"])[2].split() for _ in range(200)]
+    if sum(len(w) == 7 for w in sized) < 0.5 * len(sized):
+        out.append(f"sample() with binding_layouts: {sum(len(w) == 7 for w in sized)} of 200 colour questions sized")
     return out[:5]
 
 
@@ -583,6 +628,7 @@ def main() -> int:
         failures += centre_item_parity(work / "calib.h5")
         failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
+        failures += binding_layout_parity()
         failures += comparator_parity()
         failures += count_target_parity()
         failures += route_parity()
