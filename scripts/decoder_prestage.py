@@ -73,7 +73,7 @@ class SymbolicScenes:
     # Colour and exist questions on the generator's binding layouts (binding_sample): "what color is
     # the large X ?" with an X of the other size beside it, "is there a red X ?" with lures that share
     # one attribute. Random scenes hardly hold either, and every model through session 25 answered the
-    # sized pair at chance on builtin:eval (23-33 of 60 right) and 23 of 59 lured "no" wrong.
+    # sized pair at chance on builtin:eval (23-29 of 60 right) and 23 of 59 lured "no" wrong.
     binding_layouts: bool = False
     # The relation words asked. With "left of" alone the pre-staged decoder learns relation in
     # 100 steps; with all four it stays at chance without comparator_targets' probe (session 17).

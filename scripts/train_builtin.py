@@ -38,7 +38,7 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    Then 250 full-mix steps again for the kinds the relation phases set back, the probe on
    at a fifth of its weight so that the mix keeps the comparisons. Count questions
    come on the generator's count layouts (zero..five uniform).
-   With --count-tags (session 25; off until its model ships), two more phases with every object's
+   With --count-tags (session 25, the shipped model; on by default), two more phases with every object's
    count tag on its token (decoder_prestage.TAGS: the number words of the objects of its colour
    and of its shape, each under a fixed rotation), 150 count-only and 150 full-mix steps: a count
    question becomes a lookup and the vision stage learns the counting (count 0.54 -> 0.75 on
@@ -103,6 +103,9 @@ the vision stage's pack already in --work (session 19).
   On that host the digit phase did not form the two-box form (0.41-0.43 at the pre-stage's end, with
   either kernel, against 0.85 on the Intel hosts); with 300 digit steps it did (0.82), digits rose
   0.572 -> 0.656 on images but relation and count fell, 0.8415 overall (BENCHMARKS.md, session 23).
+- The shipped recipe (session 25: --count-tags, eager kernels, the defaults) took 28.1 min fresh and
+  alone on session 25's AMD EPYC host (~545 s, 857 s, 262 s) and scored 0.871; with 300 digit steps
+  and a 400-step remix (session 26) 29.9 min and 0.866.
 
 Writes the checkpoint atomically (temp dir + rename).
 """
@@ -752,21 +755,21 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--attention", choices=["sdpa", "eager"], default="sdpa",
+    ap.add_argument("--attention", choices=["sdpa", "eager"], default="eager",
                     help="attention kernels while training (the checkpoint's config is the same either way). "
                          "eager (matmul, softmax, matmul) steps the vision tower faster than sdpa's CPU "
-                         "flash-attention kernels, whose backward is slow at head size 32: the whole recipe took "
+                         "flash-attention kernels, whose backward is slow at head size 32: session 22's recipe took "
                          "34.2 min instead of ~39 on session 23's AMD EPYC host, at the same accuracy (0.8485, "
-                         "paired p = 0.70 against the shipped model). sdpa stays the default because it trained "
-                         "the shipped model: other kernels round differently and give other weights")
-    ap.add_argument("--count-tags", action="store_true",
+                         "paired p = 0.70). The shipped model (session 25) was trained with eager: other kernels "
+                         "round differently and give other weights")
+    ap.add_argument("--count-tags", action=argparse.BooleanOptionalAction, default=True,
                     help="every object's symbolic token also carries its count tag: the number words of the "
                          "objects of its colour and of its shape in the scene, each under a fixed rotation of the "
                          "word-embedding space (decoder_prestage.PositionTable.item_tag); the vision stage aligns "
                          "the projector to it and reads it out. A count question becomes an attribute lookup for "
                          "the decoder, and the counting moves to the vision tower: count 0.54 -> 0.75 on images, "
-                         "0.871 overall against the shipped 0.8520 (p = 0.019) with --attention eager on an AMD host "
-                         "(session 25; not shipped yet: diagnose-align's gates need re-measuring on that model)")
+                         "0.871 overall against session 22's 0.8520 (p = 0.019) on an AMD host (session 25; the "
+                         "shipped model)")
     ap.add_argument("--digit-tags", action="store_true",
                     help="also the digit tags: an object with a digit box beside it carries that box's digit, each of "
                          "two boxes side by side its side (\"left\" / \"right\"), each under its own rotation "
