@@ -104,7 +104,8 @@ the vision stage's pack already in --work (session 19).
   either kernel, against 0.85 on the Intel hosts); with 300 digit steps it did (0.82), digits rose
   0.572 -> 0.656 on images but relation and count fell, 0.8415 overall (BENCHMARKS.md, session 23).
 - The shipped recipe (session 25: --count-tags, eager kernels, the defaults) took 28.1 min fresh and
-  alone on session 25's AMD EPYC host (~545 s, 857 s, 262 s) and scored 0.871; with 300 digit steps
+  alone on session 25's AMD EPYC host (~545 s, 857 s, 262 s) and scored 0.871; the defaults gave the
+  same weights byte for byte there in session 26, in 29.4 min. With 300 digit steps
   and a 400-step remix (session 26) 29.9 min and 0.866.
 
 Writes the checkpoint atomically (temp dir + rename).
