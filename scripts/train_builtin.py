@@ -874,7 +874,7 @@ def main() -> int:
                          "draw too (0 = off; runs only with --prestage-relation-schedule). Every model through "
                          "session 25 answered the sized pair at chance. 150 did not form it (colour 0.70 on these "
                          "layouts at the phase's end, the sized pair 22 of 60 right on images) and the remix lost "
-                         "size and relation: 0.846 against 0.871 without (session 26)")
+                         "size and relation: 0.846 against 0.871 without; 600 steps left the pair at chance too (session 26)")
     ap.add_argument("--prestage-remix-comparator-weight", type=float, default=0.2,
                     help="weight of the comparator probe in the remix: without it the remix erased formed "
                          "comparisons (per word 0.88-0.94 -> 0.55-0.78), at the relation phases' 1.0 it kept "
