@@ -539,9 +539,18 @@ def route_targets(samples) -> torch.Tensor:
     from the answer loss alone it forms in some runs and not others (0.38-0.43 on symbolic scenes at
     the pre-stage's end, session 19). A loss on the attention from the answer position to that box
     gives the selection a gradient of its own -- which did not help: at weight 0.5 in the remix (with
-    count_route_targets' loss) the form ended at 0.29 against 0.38 without (session 21); off in the recipe."""
+    count_route_targets' loss) the form ended at 0.29 against 0.38 without (session 21); off in the recipe.
+    Also a sized colour question ("what color is the large X ?"): the slot of the object it names, which
+    the answer loss alone never selects by its size (session 26)."""
     out = torch.full((len(samples),), -1, dtype=torch.long)
-    for i, (scene, kind, _, answer) in enumerate(samples):
+    for i, (scene, kind, q, answer) in enumerate(samples):
+        words = q.split()
+        if kind == "color" and len(words) == 7:  # "what color is the <size> <shape> ?": the object named
+            named = [answer, words[5], words[4]]
+            j = next((j for j, (_, w) in enumerate(item_words(scene)) if w == named), None)
+            if j is not None:
+                out[i] = 2 + j
+            continue
         if kind != "digit" or len(scene["boxes"]) != 2:
             continue
         items = item_words(scene)

@@ -201,8 +201,8 @@ def comparator_parity(draws: int = 400) -> list[str]:
 def route_parity(draws: int = 300) -> list[str]:
     """decoder_prestage.route_targets (--prestage-route-weight): a two-box digit question ("in the
     left / right box", "next to the X") points at the sequence slot of the box it asks about -- the
-    left or right one of the two, the one beside the named object -- and every other question at
-    none; count_route_targets (--prestage-count-route-weight) point a count question at <s> and
+    left or right one of the two, the one beside the named object --, a sized colour question ("the
+    large X") at the object it names, and every other question at none; count_route_targets (--prestage-count-route-weight) point a count question at <s> and
     exactly the objects it counts; logits(attention_layer=) gives one attention row per head from the
     answer position."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -214,6 +214,8 @@ def route_parity(draws: int = 300) -> list[str]:
     sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, next_to=True)
     rng = np.random.default_rng(19)
     samples = [sampler.sample(rng, ["digit"]) for _ in range(draws)] + [sampler.sample(rng, ["color"])]
+    binding = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, binding_layouts=True)
+    samples += [binding.sample(rng, ["color"]) for _ in range(40)]
     counts = [sampler.sample(rng, ["count"]) for _ in range(200)]
     sampler_layouts = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, count_layouts=True)
     counts += [sampler_layouts.sample(rng, ["count"]) for _ in range(200)]
@@ -227,6 +229,12 @@ def route_parity(draws: int = 300) -> list[str]:
     out, forms = [], set()
     for i, ((scene, kind, q, a), t) in enumerate(zip(samples, dp.route_targets(samples).tolist())):
         two = kind == "digit" and len(scene["boxes"]) == 2
+        if kind == "color" and len(q.split()) == 7:  # "what color is the <size> <shape> ?"
+            forms.add("sized colour")
+            named = [a, q.split()[5], q.split()[4]]
+            if slots.get((i, t)) != named:
+                out.append(f"route target of {q!r} holds {slots.get((i, t))}, expected {named}")
+            continue
         if not two:
             if t != -1:
                 out.append(f"route target {t} for {q!r} (one box or not a digit question)")
@@ -246,7 +254,7 @@ def route_parity(draws: int = 300) -> list[str]:
             anchor = scene["objects"][box["anchor"]]
             if f"the {anchor['color']} {anchor['shape']} ?" not in q:
                 out.append(f"route target of {q!r} is beside the {anchor['color']} {anchor['shape']}")
-    if forms != {"left/right", "next to"}:
+    if forms != {"left/right", "next to", "sized colour"}:
         out.append(f"two-box digit forms drawn: {sorted(forms)}")
     # count_route_targets (--prestage-count-route-weight): <s> and exactly the objects counted.
     count_batch = dp.collate(counts, word_id)
