@@ -46,6 +46,21 @@ RELATION_WORDS = ("left of", "right of", "above", "below")
 HORIZONTAL_WORDS, VERTICAL_WORDS = RELATION_WORDS[:2], RELATION_WORDS[2:]
 
 
+def pick(rng: np.random.Generator, pool: list[str], exclude: str | None = None) -> str:
+    """One of pool (but exclude), uniformly."""
+    choices = [x for x in pool if x != exclude]
+    return choices[rng.integers(len(choices))]
+
+
+def free_centre(rng: np.random.Generator, objs: list[dict], gap: float = 12) -> tuple[int, int]:
+    """A centre on the canvas >= gap px from every object's in objs: distinct patches, so one
+    symbolic token per object (the count and binding layouts)."""
+    while True:
+        cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
+        if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= gap for o in objs):
+            return cx, cy
+
+
 def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
@@ -188,20 +203,14 @@ class SymbolicScenes:
         by_shape = bool(rng.random() < 0.5)
         distractors = int(rng.integers(1 if n == 0 else 0, min(3, 6 - n) + 1))
         large_p = 0.15 if n + distractors >= 5 else 0.35
-        shape, color = self.shapes[rng.integers(len(self.shapes))], self.colors[rng.integers(len(self.colors))]
-
-        def pick(pool, exclude=None):
-            choices = [x for x in pool if x != exclude]
-            return choices[rng.integers(len(choices))]
-        specs = [(shape if by_shape else pick(self.shapes), pick(self.colors) if by_shape else color) for _ in range(n)]
-        specs += [(pick(self.shapes, shape), pick(self.colors)) if by_shape else (pick(self.shapes), pick(self.colors, color))
-                  for _ in range(distractors)]
+        shape, color = pick(rng, self.shapes), pick(rng, self.colors)
+        specs = [(shape if by_shape else pick(rng, self.shapes), pick(rng, self.colors) if by_shape else color)
+                 for _ in range(n)]
+        specs += [(pick(rng, self.shapes, shape), pick(rng, self.colors)) if by_shape
+                  else (pick(rng, self.shapes), pick(rng, self.colors, color)) for _ in range(distractors)]
         objs = []
         for sh, co in specs:
-            while True:
-                cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
-                if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
-                    break
+            cx, cy = free_centre(rng, objs)
             objs.append({"shape": sh, "color": co, "size": "large" if rng.random() < large_p else "small",
                          "cx": cx, "cy": cy})
         q = f"how many {self.plurals[shape]} are there ?" if by_shape else f"how many {color} objects are there ?"
@@ -215,18 +224,14 @@ class SymbolicScenes:
         exist, half the time the colour + shape form with lures that share the shape or the colour
         (answer yes or no evenly), else None (a random scene: the shape-only and colour-only forms).
         0-3 distractors that do not match, centres >= 12 px apart (one token per object)."""
-        shape, color = self.shapes[rng.integers(len(self.shapes))], self.colors[rng.integers(len(self.colors))]
-
-        def other(pool, exclude):
-            choices = [x for x in pool if x != exclude]
-            return choices[rng.integers(len(choices))]
+        shape, color = pick(rng, self.shapes), pick(rng, self.colors)
         specs: list[tuple[str, str, str]] = []  # (shape, colour, size)
         if kind == "color":
             size = "large" if rng.random() < 0.5 else "small"
             specs.append((shape, color, size))
             pair = bool(rng.random() < 0.5)
             if pair:
-                specs.append((shape, other(self.colors, color), "small" if size == "large" else "large"))
+                specs.append((shape, pick(rng, self.colors, color), "small" if size == "large" else "large"))
             sized = pair or bool(rng.random() < 0.3)
             q = f"what color is the {size} {shape} ?" if sized else f"what color is the {shape} ?"
             a = color
@@ -240,24 +245,21 @@ class SymbolicScenes:
             if yes:
                 specs.append((shape, color, large(0.5)))
             if rng.random() < 0.6:
-                specs.append((other(self.shapes, shape), color, large(0.35)))
+                specs.append((pick(rng, self.shapes, shape), color, large(0.35)))
             if rng.random() < 0.6:
-                specs.append((shape, other(self.colors, color), large(0.35)))
+                specs.append((shape, pick(rng, self.colors, color), large(0.35)))
             desc = f"{color} {shape}"
             q, a = f"is there {article(desc)} {desc} ?", "yes" if yes else "no"
             keep = lambda sh, co: (sh, co) != (shape, color)
             distractors = int(rng.integers(0 if specs else 1, 3))
         while distractors > 0:
-            sh, co = self.shapes[rng.integers(len(self.shapes))], self.colors[rng.integers(len(self.colors))]
+            sh, co = pick(rng, self.shapes), pick(rng, self.colors)
             if keep(sh, co):
                 specs.append((sh, co, "large" if rng.random() < 0.35 else "small"))
                 distractors -= 1
         objs = []
         for sh, co, size in specs:
-            while True:
-                cx, cy = int(rng.integers(8, 88)), int(rng.integers(8, 88))
-                if all(np.hypot(cx - o["cx"], cy - o["cy"]) >= 12 for o in objs):
-                    break
+            cx, cy = free_centre(rng, objs)
             objs.append({"shape": sh, "color": co, "size": size, "cx": cx, "cy": cy})
         return {"objects": objs, "boxes": []}, kind, q, a
 
