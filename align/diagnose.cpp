@@ -10,6 +10,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <map>
@@ -19,6 +20,10 @@
 namespace vlmopt::align {
 
 namespace {
+
+// Reduce over dims 0 and 1. Spelled `sum({0, 1})`, torch 2.11's headers find it ambiguous: the
+// braces also build a DimnameList from (pointer 0, length 1).
+constexpr std::array<int64_t, 2> kLeadingTwoDims{0, 1};
 
 // Unsubscribes its taps on scope exit (also when the forward throws).
 class TapSubscriptions {
@@ -116,7 +121,7 @@ nlohmann::json aggregate_json(const Aggregate& a) {
 torch::Tensor layer_maps(const SampleAnalysis& a) { return a.text_maps.sum(1).contiguous(); }
 
 // [N]: the text->visual map summed over layers and heads.
-torch::Tensor overall_map(const SampleAnalysis& a) { return a.text_maps.sum({0, 1}).contiguous(); }
+torch::Tensor overall_map(const SampleAnalysis& a) { return a.text_maps.sum(kLeadingTwoDims).contiguous(); }
 
 // Visual tokens that get more than sink_factor / N of the renormalised text->visual
 // attention in more than sink_head_share of the (layer, head) maps.
@@ -141,7 +146,7 @@ std::vector<int64_t> attention_sinks(const SampleAnalysis& a, double sink_factor
 nlohmann::json dt_sem_record(const SampleAnalysis& a, double threshold_ms) {
   if (a.images <= 1) return nullptr;
   // Mean over the answer rows (per layer and head, in analyze_sample), then over layers and heads: [N].
-  const auto answer_map = (a.answer_maps.defined() ? a.answer_maps : a.last_maps).mean({0, 1}).contiguous();
+  const auto answer_map = (a.answer_maps.defined() ? a.answer_maps : a.last_maps).mean(kLeadingTwoDims).contiguous();
   const auto mass = frame_masses(row_span(answer_map, 0), a.images);
   nlohmann::json rec = {{"frames", a.images}, {"query", "answer"}, {"answer_rows", a.answer_rows}, {"frame_mass", mass}};
   if (a.frame_times_ms.empty() || !a.event_time_ms) return rec;

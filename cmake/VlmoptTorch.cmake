@@ -41,3 +41,10 @@ foreach(_hdr fmt spdlog)
   endif()
 endforeach()
 target_include_directories(vlmopt_torch SYSTEM INTERFACE ${VLMOPT_FMT_FIRST} ${TORCH_INCLUDE_DIRS})
+# The wheels export copies of libstdc++'s std::filesystem functions that their toolchain linked
+# in statically. With the torch libraries ahead of libstdc++ among an executable's libraries, our
+# std::filesystem calls bind to those copies, and torch 2.11's remove_all() jumps to a null
+# pointer (every TempDir in the tests and `vlmopt pipeline` crashed with torch 2.11 on a GPU
+# machine). libstdc++ first among the needed libraries makes the dynamic linker find its own
+# definitions first; --no-as-needed keeps the entry, which no object has asked for yet there.
+target_link_options(vlmopt_torch INTERFACE "LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")

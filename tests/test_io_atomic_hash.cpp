@@ -6,6 +6,9 @@
 
 #include <doctest/doctest.h>
 
+#include <dlfcn.h>
+
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <vector>
@@ -162,5 +165,24 @@ TEST_CASE("sha256 matches the FIPS 180-2 test vectors, in memory and streamed fr
     FAIL("expected an InputError");
   } catch (const vlmopt::InputError& e) {
     CHECK(std::string(e.what()).find("missing.bin") != std::string::npos);
+  }
+}
+
+// torch's wheels export copies of libstdc++'s std::filesystem functions; if our calls bound to
+// them, torch 2.11's remove_all() crashed every TempDir and `vlmopt pipeline` (jump to a null
+// pointer). cmake/VlmoptTorch.cmake puts libstdc++ first among the needed libraries: the address
+// our code takes of remove_all must lie in libstdc++, whatever torch version is installed.
+TEST_CASE("std::filesystem calls bind to libstdc++, not to the copies the torch libraries export") {
+  using RemoveAll = std::uintmax_t (*)(const fs::path&, std::error_code&);
+  using TempPath = fs::path (*)();
+  const RemoveAll remove_all = &fs::remove_all;
+  const TempPath temp_path = &fs::temp_directory_path;
+  for (const void* fn : {reinterpret_cast<const void*>(remove_all), reinterpret_cast<const void*>(temp_path)}) {
+    Dl_info info{};
+    REQUIRE(dladdr(fn, &info) != 0);
+    REQUIRE(info.dli_fname != nullptr);
+    const std::string library = fs::path(info.dli_fname).filename().string();
+    CAPTURE(info.dli_fname);
+    CHECK(library.rfind("libstdc++", 0) == 0);
   }
 }

@@ -59,7 +59,7 @@ WeightFormat read_format(const nlohmann::json& config, const fs::path& config_pa
                      where);
   const auto& groups = q.value("config_groups", nlohmann::json());
   VLMOPT_CHECK_INPUT(groups.is_object() && groups.size() == 1, "{}.config_groups: expected one group", where);
-  const auto& group = groups.begin().value();
+  const auto& group = groups.front();  // the one group's value (front() of an object)
   WeightFormat f;
   f.format = q.value("format", "");
   f.weights = parse_args(group.value("weights", nlohmann::json()), where + ".weights");
