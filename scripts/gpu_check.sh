@@ -148,7 +148,8 @@ step pipeline_cuda cuda 200 pipeline --model builtin --out "$WORK/pipeline_cuda"
 
 # ... and with the prune plan the pipeline fitted (vlmopt's rule at layer 0's input), against
 # the same bundle unpruned.
-for bs in 1 32; do
+# (Only with a fitted plan: without one the bundle runs unpruned, and the rows would say nothing.)
+[ -f "$WORK/pipeline_cuda/vlmopt/prune.json" ] && for bs in 1 32; do
   step "prefill_vlmopt_fit_b$bs" cuda 90 bench prefill --bundle "$WORK/pipeline_cuda" --samples 64 --batch-size $bs
   step "prefill_bundle_noprune_b$bs" cuda 90 bench prefill --bundle "$WORK/pipeline_cuda" --no-prune --samples 64 \
     --batch-size $bs
