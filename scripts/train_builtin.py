@@ -895,10 +895,25 @@ def main() -> int:
                          "at 1.0 in every phase (with --prestage-count-route-weight 1) the main mix's colour and "
                          "digit routing did not form (held-out colour 0.26, digit 0.09 at step 749, against "
                          "0.87 / 0.62 without), and at 0.5 in the remix the two-box form ended lower (0.29 vs "
-                         "0.38; session 21). Also in the binding phase (--prestage-binding-steps), where a sized "
-                         "colour question's target is the object it names: at 1.0 with 300 binding steps that "
-                         "colour rose 0.69 -> 0.80 over the phase's last 50 steps (0.73-0.74 without, in 600), but "
-                         "the remix with it on lost position and relation (0.6, 0.56; session 26). 0 = off")
+                         "0.38; session 21); at 1.0 in the remix after a routed binding phase it lost position "
+                         "and relation (0.6, 0.56; session 26). 0 = off")
+    ap.add_argument("--prestage-binding-early", action=argparse.BooleanOptionalAction, default=False,
+                    help="the binding phase right after the main mix, before the relation phases, instead of "
+                         "after the digit phase. Late (600 steps, route loss 1.0: colour 0.97 on the binding "
+                         "layouts) the remix ended at position 0.72 and relation 0.43, against 0.97 and 0.87 "
+                         "without the phase; early (colour 0.93) the relation phases no longer formed relation "
+                         "(0.51-0.54 against 0.66-0.93; session 27)")
+    ap.add_argument("--prestage-binding-replay", action=argparse.BooleanOptionalAction, default=False,
+                    help="the binding phase draws every kind, colour and exist twice as often (with the "
+                         "remix's comparator probe), instead of colour and exist alone, which cost position and "
+                         "relation (--prestage-binding-early). With 600 steps and the route loss at 1.0 the pair "
+                         "did not form (colour 0.63 on the binding layouts at the phase's end) and the model "
+                         "scored 0.860 (count 0.676) against 0.871 without (session 27)")
+    ap.add_argument("--prestage-binding-route-weight", type=float, default=0.0,
+                    help="the same loss in the binding phase (--prestage-binding-steps), where a sized colour "
+                         "question's target is the object it names: at 1.0 with 300 binding steps that colour "
+                         "rose 0.69 -> 0.80 over the phase's last 50 steps (0.73-0.74 without, in 600; "
+                         "session 26). 0 = off")
     ap.add_argument("--prestage-count-route-weight", type=float, default=0.0,
                     help="the same on head 2 of that layer for count questions: the attention from the answer "
                          "position spread evenly over <s> and the objects counted "
@@ -1066,9 +1081,16 @@ def main() -> int:
                 # Colour and exist alone on the binding layouts, which the later phases keep drawing:
                 # in random scenes the sized pair and the one-attribute lures are rare.
                 late_sampler = dataclasses.replace(sampler, binding_layouts=True)
-                phases.append(dict(steps=args.prestage_binding_steps, seed=args.seed + 18,
-                                   held=min(512, 16 * args.prestage_binding_steps), kinds=["color", "exist"],
-                                   sampler=late_sampler, route_weight=args.prestage_route_weight))
+                binding_phase = dict(steps=args.prestage_binding_steps, seed=args.seed + 18,
+                                     held=min(512, 16 * args.prestage_binding_steps), kinds=["color", "exist"],
+                                     sampler=late_sampler, route_weight=args.prestage_binding_route_weight)
+                if args.prestage_binding_replay:
+                    binding_phase.update(kinds=["color", "exist"] + decoder_prestage.KINDS,
+                                         comparator_weight=args.prestage_remix_comparator_weight)
+                if args.prestage_binding_early:
+                    phases.insert(1, binding_phase)  # right after the main mix
+                else:
+                    phases.append(binding_phase)
             remix_probe = args.prestage_remix_comparator_weight
             if args.prestage_remix_steps > 0:
                 # Each kind drawn once in the list, digit questions --prestage-remix-digit-weight times.
@@ -1084,7 +1106,11 @@ def main() -> int:
                              + (f"-remixdigit{args.prestage_remix_digit_weight}"
                                 if args.prestage_remix_digit_weight != 1 else "")
                              + (f"-digitphase{args.prestage_digit_steps}" if args.prestage_digit_steps else "")
-                             + (f"-binding{args.prestage_binding_steps}" if args.prestage_binding_steps else ""))
+                             + (f"-binding{args.prestage_binding_steps}" if args.prestage_binding_steps else "")
+                             + (f"-bindroute{args.prestage_binding_route_weight}"
+                                if args.prestage_binding_steps and args.prestage_binding_route_weight else "")
+                             + ("-bindearly" if args.prestage_binding_steps and args.prestage_binding_early else "")
+                             + ("-bindreplay" if args.prestage_binding_steps and args.prestage_binding_replay else ""))
         if item_tag_names(args):
             # The tags come on after every other phase: on from the start, the routing by colour and
             # shape did not form in the full mix (colour 0.26, shape 0.28 at the pre-stage's end,
