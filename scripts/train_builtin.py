@@ -901,8 +901,9 @@ def main() -> int:
                     help="the same loss in the binding phase (--prestage-binding-steps), where a sized colour "
                          "question's target is the object it names: at 1.0 with 300 binding steps that colour "
                          "rose 0.69 -> 0.80 over the phase's last 50 steps (0.73-0.74 without, in 600; "
-                         "session 26), with 600 steps to 0.97: the pair forms (session 27, see "
-                         "--prestage-binding-early for its cost). 0 = off")
+                         "session 26), with 600 steps to 0.97: the pair forms; 500 steps with a 500-step remix "
+                         "kept it to the end (colour 0.956 on builtin:eval, the pair 52 of 60) but lost relation "
+                         "(0.524; 0.814 overall; session 27, see --prestage-binding-early). 0 = off")
     ap.add_argument("--prestage-binding-early", action=argparse.BooleanOptionalAction, default=False,
                     help="the binding phase right after the main mix, before the relation phases, instead of "
                          "after the digit phase. Late (600 steps, route loss 1.0: colour 0.97 on the binding "
