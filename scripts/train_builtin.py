@@ -1109,7 +1109,7 @@ def main() -> int:
                                 if args.prestage_remix_digit_weight != 1 else "")
                              + (f"-digitphase{args.prestage_digit_steps}" if args.prestage_digit_steps else "")
                              + (f"-binding{args.prestage_binding_steps}" if args.prestage_binding_steps else "")
-                             + (f"-bindroute{args.prestage_binding_route_weight}"
+                             + (f"-bindroute{args.prestage_binding_route_weight}-{args.prestage_route_layer}"
                                 if args.prestage_binding_steps and args.prestage_binding_route_weight else "")
                              + ("-bindearly" if args.prestage_binding_steps and args.prestage_binding_early else "")
                              + ("-bindreplay" if args.prestage_binding_steps and args.prestage_binding_replay else ""))
