@@ -897,9 +897,16 @@ def main() -> int:
                          "0.87 / 0.62 without), and at 0.5 in the remix the two-box form ended lower (0.29 vs "
                          "0.38; session 21); at 1.0 in the remix after a routed binding phase it lost position "
                          "and relation (0.6, 0.56; session 26). 0 = off")
+    ap.add_argument("--prestage-count-route-weight", type=float, default=0.0,
+                    help="the same on head 2 of that layer for count questions: the attention from the answer "
+                         "position spread evenly over <s> and the objects counted "
+                         "(decoder_prestage.count_route_targets), in the remix phase. At 0.5 with "
+                         "--prestage-route-weight 0.5 the remix ended at count 0.43, two-box digits 0.29 and "
+                         "held-out 0.788, against 0.50 / 0.38 / 0.843 without (session 21). 0 = off")
     ap.add_argument("--prestage-binding-route-weight", type=float, default=0.0,
-                    help="the same loss in the binding phase (--prestage-binding-steps), where a sized colour "
-                         "question's target is the object it names: at 1.0 with 300 binding steps that colour "
+                    help="the --prestage-route-weight loss in the binding phase (--prestage-binding-steps), "
+                         "where a sized colour question's target is the object it names: at 1.0 with 300 "
+                         "binding steps that colour "
                          "rose 0.69 -> 0.80 over the phase's last 50 steps (0.73-0.74 without, in 600; "
                          "session 26), with 600 steps to 0.97: the pair forms; 500 steps with a 500-step remix "
                          "kept it to the end (colour 0.956 on builtin:eval, the pair 52 of 60) but lost relation "
@@ -916,12 +923,6 @@ def main() -> int:
                          "relation (--prestage-binding-early). With 600 steps and the route loss at 1.0 the pair "
                          "did not form (colour 0.63 on the binding layouts at the phase's end) and the model "
                          "scored 0.860 (count 0.676) against 0.871 without (session 27)")
-    ap.add_argument("--prestage-count-route-weight", type=float, default=0.0,
-                    help="the same on head 2 of that layer for count questions: the attention from the answer "
-                         "position spread evenly over <s> and the objects counted "
-                         "(decoder_prestage.count_route_targets), in the remix phase. At 0.5 with "
-                         "--prestage-route-weight 0.5 the remix ended at count 0.43, two-box digits 0.29 and "
-                         "held-out 0.788, against 0.50 / 0.38 / 0.843 without (session 21). 0 = off")
     ap.add_argument("--prestage-route-layer", type=int, default=2,
                     help="decoder layer whose heads 0 (--prestage-route-weight) and 2 "
                          "(--prestage-count-route-weight; another key/value group) are guided")

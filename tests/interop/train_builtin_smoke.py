@@ -203,9 +203,9 @@ def route_parity(draws: int = 300) -> list[str]:
     """decoder_prestage.route_targets (--prestage-route-weight): a two-box digit question ("in the
     left / right box", "next to the X") points at the sequence slot of the box it asks about -- the
     left or right one of the two, the one beside the named object --, a sized colour question ("the
-    large X") at the object it names, and every other question at none; count_route_targets (--prestage-count-route-weight) point a count question at <s> and
-    exactly the objects it counts; logits(attention_layer=) gives one attention row per head from the
-    answer position."""
+    large X") at the object it names, and every other question at none; count_route_targets
+    (--prestage-count-route-weight) point a count question at <s> and exactly the objects it counts;
+    logits(attention_layer=) gives one attention row per head from the answer position."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
     import numpy as np
     import torch
@@ -256,7 +256,7 @@ def route_parity(draws: int = 300) -> list[str]:
             if f"the {anchor['color']} {anchor['shape']} ?" not in q:
                 out.append(f"route target of {q!r} is beside the {anchor['color']} {anchor['shape']}")
     if forms != {"left/right", "next to", "sized colour"}:
-        out.append(f"two-box digit forms drawn: {sorted(forms)}")
+        out.append(f"routed question forms drawn: {sorted(forms)}")
     # count_route_targets (--prestage-count-route-weight): <s> and exactly the objects counted.
     count_batch = dp.collate(counts, word_id)
     count_slots = {(int(b), int(t)): [words[i] for i in w.tolist() if i >= 0]
