@@ -613,7 +613,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
              eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
              comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
              count_weight: float = 0.0, route_weight: float = 0.0, route_layer: int = 2, route_head: int = 0,
-             count_route_weight: float = 0.0, count_route_head: int = 2, log=print) -> list[dict]:
+             count_route_weight: float = 0.0, count_route_head: int = 2, train_positions: bool = True,
+             log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -633,9 +634,13 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
     position to the box a two-box digit question asks about (route_targets; -log of that attention,
     this weight). Needs lm in eager attention (the probabilities are not materialised otherwise).
     count_route_weight > 0: the same for head `count_route_head` of that layer on count questions,
-    towards an even spread over <s> and the objects counted (count_route_targets; cross-entropy)."""
+    towards an even spread over <s> and the objects counted (count_route_targets; cross-entropy).
+
+    train_positions False: positions' learned tables stay as they are (no gradient, not in the
+    optimizer) -- for a phase whose questions never ask where an object is."""
     kinds = kinds or KINDS
-    params = list(lm.parameters()) + list(positions.parameters())
+    positions.requires_grad_(train_positions)
+    params = list(lm.parameters()) + (list(positions.parameters()) if train_positions else [])
     probe = count_probe = None
     if comparator_weight > 0:
         probe = torch.nn.Linear(lm.config.hidden_size, 2)
@@ -718,6 +723,7 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             entries.append(entry)
             log(json.dumps(entry))
     opt.zero_grad(set_to_none=True)
+    positions.requires_grad_(True)
     return entries
 
 

@@ -917,12 +917,19 @@ def main() -> int:
                          "layouts) the remix ended at position 0.72 and relation 0.43, against 0.97 and 0.87 "
                          "without the phase; early (colour 0.93) the relation phases no longer formed relation "
                          "(0.51-0.54 against 0.66-0.93; session 27)")
-    ap.add_argument("--prestage-binding-replay", action=argparse.BooleanOptionalAction, default=False,
-                    help="the binding phase draws every kind, colour and exist twice as often (with the "
-                         "remix's comparator probe), instead of colour and exist alone, which cost position and "
-                         "relation (--prestage-binding-early). With 600 steps and the route loss at 1.0 the pair "
-                         "did not form (colour 0.63 on the binding layouts at the phase's end) and the model "
-                         "scored 0.860 (count 0.676) against 0.871 without (session 27)")
+    ap.add_argument("--prestage-binding-kinds", default="color,exist",
+                    help="the kinds the binding phase draws, comma-separated; a kind listed k times is drawn k "
+                         "times as often, and with relation among them the phase has the remix's comparator probe. "
+                         "color,exist alone cost position and relation (--prestage-binding-early); every kind with "
+                         "colour and exist twice (600 steps, route loss 1.0) did not form the pair (colour 0.63 on "
+                         "the binding layouts at the phase's end; 0.860 against 0.871 without the phase, count "
+                         "0.676; session 27); color x4,exist,relation (500 steps, route loss 1.0, "
+                         "--prestage-binding-freeze-positions) kept relation (0.932) and formed the pair (48 of 60, "
+                         "colour 0.952) but count fell (0.660): 0.875 (p = 0.62; session 28)")
+    ap.add_argument("--prestage-binding-freeze-positions", action=argparse.BooleanOptionalAction, default=False,
+                    help="the pre-stage's position table (PositionTable: the row and column embeddings) frozen in "
+                         "the binding phase, whose questions never ask where an object is: trained there, "
+                         "position read 0.85 after the remix, frozen 0.95 (0.94 without the phase; session 28)")
     ap.add_argument("--prestage-route-layer", type=int, default=2,
                     help="decoder layer whose heads 0 (--prestage-route-weight) and 2 "
                          "(--prestage-count-route-weight; another key/value group) are guided")
@@ -1016,9 +1023,12 @@ def main() -> int:
     relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
     if args.prestage_remix_digit_weight < 1:
         raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
-    unknown = sorted(set(args.prestage_first_kinds.split(",")) - set(decoder_prestage.KINDS))
-    if unknown:
-        raise SystemExit(f"--prestage-first-kinds: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
+    binding_kinds = args.prestage_binding_kinds.split(",")
+    for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),
+                           ("--prestage-binding-kinds", binding_kinds)):
+        unknown = sorted(set(listed) - set(decoder_prestage.KINDS))
+        if unknown:
+            raise SystemExit(f"{option}: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
     if args.decoder_prestage_steps > 0:
         decoder = model.model.language_model
         # Created whether or not the stage is cached: the torch RNG must advance the same either way.
@@ -1085,11 +1095,11 @@ def main() -> int:
                 # in random scenes the sized pair and the one-attribute lures are rare.
                 late_sampler = dataclasses.replace(sampler, binding_layouts=True)
                 binding_phase = dict(steps=args.prestage_binding_steps, seed=args.seed + 18,
-                                     held=min(512, 16 * args.prestage_binding_steps), kinds=["color", "exist"],
-                                     sampler=late_sampler, route_weight=args.prestage_binding_route_weight)
-                if args.prestage_binding_replay:
-                    binding_phase.update(kinds=["color", "exist"] + decoder_prestage.KINDS,
-                                         comparator_weight=args.prestage_remix_comparator_weight)
+                                     held=min(512, 16 * args.prestage_binding_steps), kinds=binding_kinds,
+                                     sampler=late_sampler, route_weight=args.prestage_binding_route_weight,
+                                     train_positions=not args.prestage_binding_freeze_positions)
+                if "relation" in binding_kinds:
+                    binding_phase.update(comparator_weight=args.prestage_remix_comparator_weight)
                 if args.prestage_binding_early:
                     phases.insert(1, binding_phase)  # right after the main mix
                 else:
@@ -1113,7 +1123,10 @@ def main() -> int:
                              + (f"-bindroute{args.prestage_binding_route_weight}-{args.prestage_route_layer}"
                                 if args.prestage_binding_steps and args.prestage_binding_route_weight else "")
                              + ("-bindearly" if args.prestage_binding_steps and args.prestage_binding_early else "")
-                             + ("-bindreplay" if args.prestage_binding_steps and args.prestage_binding_replay else ""))
+                             + (f"-bindkinds{'+'.join(binding_kinds)}"
+                                if args.prestage_binding_steps and binding_kinds != ["color", "exist"] else "")
+                             + ("-bindfreezepos" if args.prestage_binding_steps and args.prestage_binding_freeze_positions
+                                else ""))
         if item_tag_names(args):
             # The tags come on after every other phase: on from the start, the routing by colour and
             # shape did not form in the full mix (colour 0.26, shape 0.28 at the pre-stage's end,

@@ -64,7 +64,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--joint-digit-scenes", "1", "--joint-digit-turns-first", "--joint-question-scenes", "count=1",
            "--align-object-centres", "--align-box-centres", "--prestage-route-weight", "0.5",
            "--prestage-count-route-weight", "0.5", "--prestage-binding-route-weight", "0.5",
-           "--prestage-binding-early", "--prestage-binding-replay",
+           "--prestage-binding-early", "--prestage-binding-kinds", "color,color,exist,relation",
+           "--prestage-binding-freeze-positions",
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
@@ -424,6 +425,48 @@ def tag_phase_determinism(steps: int = 10) -> list[str]:
     return []
 
 
+def frozen_positions(steps: int = 3) -> list[str]:
+    """pretrain(train_positions=False) (--prestage-binding-freeze-positions): the binding phase's
+    draws and losses (colour, exist and relation on the binding layouts, the route loss and the
+    comparator probe) move the decoder and leave the position table's row and column embeddings
+    exactly as they were; afterwards the table trains again."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import torch
+    import decoder_prestage as dp
+    import train_builtin as tb
+    from transformers import LlamaConfig, LlamaModel
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, binding_layouts=True)
+    import numpy as np
+    rng, kinds = np.random.default_rng(0), ["color", "exist", "relation"]
+    drawn = set()
+    for _ in range(2000):
+        scene, _, q, a = sampler.sample(rng, kinds)
+        drawn.update((q + " " + a).split(), *(w for _, w in dp.item_words(scene)))
+    words = ["<pad>", "<s>", "</s>", "USER:", "ASSISTANT:", "left", "right", "top", "bottom"] + sorted(drawn)
+    word_id = {w: i for i, w in enumerate(dict.fromkeys(words))}
+    torch.manual_seed(0)
+    lm = LlamaModel(LlamaConfig(vocab_size=len(word_id), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    lm.set_attn_implementation("eager")  # the route loss reads attention probabilities
+    positions = dp.PositionTable(64)
+    table, decoder = positions.table().detach().clone(), lm.layers[0].mlp.up_proj.weight.detach().clone()
+    dp.pretrain(lm, positions, sampler, word_id, steps=steps, batch=8, kinds=kinds, held=8,
+                eval_every=10**6, route_weight=1.0, comparator_weight=0.2, train_positions=False,
+                log=lambda *_: None)
+    out = []
+    if not torch.equal(table, positions.table().detach()):
+        out.append("train_positions=False: the position table moved")
+    if torch.equal(decoder, lm.layers[0].mlp.up_proj.weight.detach()):
+        out.append("train_positions=False: the decoder did not train either")
+    if not all(p.requires_grad for p in positions.parameters()):
+        out.append("train_positions=False: the position table stayed frozen after the phase")
+    dp.pretrain(lm, positions, sampler, word_id, steps=steps, batch=8, kinds=["color", "relation"], held=8,
+                eval_every=10**6, log=lambda *_: None)
+    if torch.equal(table, positions.table().detach()):
+        out.append("after a frozen phase, a phase with train_positions=True left the position table as it was")
+    return out
+
+
 def checkpoint_dtypes(model: Path) -> list[str]:
     """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
     from safetensors import safe_open
@@ -645,6 +688,7 @@ def main() -> int:
         failures += relation_schedule_draws()
         failures += item_tag_parity(work / "calib.h5")
         failures += tag_phase_determinism()
+        failures += frozen_positions()
 
     for f in failures:
         print(f"FAIL {f}")
