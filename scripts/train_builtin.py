@@ -1075,6 +1075,7 @@ def main() -> int:
             return entries
 
         late_sampler = sampler  # the phases after the digit phase (--prestage-binding-steps)
+        binding_key = ""
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
                        held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
         if relation_phases:
@@ -1104,6 +1105,12 @@ def main() -> int:
                     phases.insert(1, binding_phase)  # right after the main mix
                 else:
                     phases.append(binding_phase)
+                binding_key = (f"-binding{args.prestage_binding_steps}"
+                               + (f"-bindroute{args.prestage_binding_route_weight}-{args.prestage_route_layer}"
+                                  if args.prestage_binding_route_weight else "")
+                               + ("-bindearly" if args.prestage_binding_early else "")
+                               + (f"-bindkinds{'+'.join(binding_kinds)}" if binding_kinds != ["color", "exist"] else "")
+                               + ("-bindfreezepos" if args.prestage_binding_freeze_positions else ""))
             remix_probe = args.prestage_remix_comparator_weight
             if args.prestage_remix_steps > 0:
                 # Each kind drawn once in the list, digit questions --prestage-remix-digit-weight times.
@@ -1119,14 +1126,7 @@ def main() -> int:
                              + (f"-remixdigit{args.prestage_remix_digit_weight}"
                                 if args.prestage_remix_digit_weight != 1 else "")
                              + (f"-digitphase{args.prestage_digit_steps}" if args.prestage_digit_steps else "")
-                             + (f"-binding{args.prestage_binding_steps}" if args.prestage_binding_steps else "")
-                             + (f"-bindroute{args.prestage_binding_route_weight}-{args.prestage_route_layer}"
-                                if args.prestage_binding_steps and args.prestage_binding_route_weight else "")
-                             + ("-bindearly" if args.prestage_binding_steps and args.prestage_binding_early else "")
-                             + (f"-bindkinds{'+'.join(binding_kinds)}"
-                                if args.prestage_binding_steps and binding_kinds != ["color", "exist"] else "")
-                             + ("-bindfreezepos" if args.prestage_binding_steps and args.prestage_binding_freeze_positions
-                                else ""))
+                             + binding_key)
         if item_tag_names(args):
             # The tags come on after every other phase: on from the start, the routing by colour and
             # shape did not form in the full mix (colour 0.26, shape 0.28 at the pre-stage's end,

@@ -431,12 +431,12 @@ def frozen_positions(steps: int = 3) -> list[str]:
     comparator probe) move the decoder and leave the position table's row and column embeddings
     exactly as they were; afterwards the table trains again."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
     import torch
     import decoder_prestage as dp
     import train_builtin as tb
     from transformers import LlamaConfig, LlamaModel
     sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, binding_layouts=True)
-    import numpy as np
     rng, kinds = np.random.default_rng(0), ["color", "exist", "relation"]
     drawn = set()
     for _ in range(2000):
