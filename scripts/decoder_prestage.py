@@ -97,6 +97,14 @@ class SymbolicScenes:
     # otherwise (relation_words is then ignored). With the four words drawn evenly one axis's
     # comparison forms first and the other may not form at all within the phase (session 18).
     horizontal_share: float | None = None
+    # The "which digit is in the left box ?" layout as the generator draws it (compose_digit: boxes of
+    # 26-32 px side, 6 px apart, the left one placed first within what leaves room for the right one,
+    # each at its own height), which puts the left box's centre in the image's left half and the right
+    # one's in the right half: the question is then a lookup by side, as position questions are. The
+    # default layout puts both anywhere >= 16 px apart on one row, so the decoder has to compare the
+    # two boxes' columns -- a comparison that formed on symbolic scenes in some runs only (0.37-0.94 at
+    # the pre-stage's end) and on images stayed at chance (t5: 32 right, 34 the other box's digit).
+    generator_boxes: bool = False
 
     def scene(self, rng: np.random.Generator) -> dict:
         objs = [{"shape": self.shapes[rng.integers(len(self.shapes))], "color": self.colors[rng.integers(len(self.colors))],
@@ -107,6 +115,8 @@ class SymbolicScenes:
         r = rng.random()
         if r < 0.3:
             boxes.append({"label": int(rng.integers(10)), "cx": int(rng.integers(10, 86)), "cy": int(rng.integers(10, 86))})
+        elif r < 0.45 and self.generator_boxes:
+            boxes += self.side_by_side_boxes(rng)
         elif r < 0.45:  # two boxes side by side, different digits
             a, b = sorted(int(x) for x in rng.choice(np.arange(10, 86), 2, replace=False))
             b = max(b, min(85, a + 16))
@@ -116,6 +126,21 @@ class SymbolicScenes:
         elif r < 0.6 and self.next_to:
             return self.next_to_scene(rng)
         return {"objects": objs, "boxes": boxes}
+
+    @staticmethod
+    def side_by_side_boxes(rng: np.random.Generator) -> list[dict]:
+        """Two digit boxes of different digits as datasets/scenes.cpp compose_digit places them
+        (generator_boxes): sides 26-32 px, the left box's corner in [2, 96 - 2 - both sides - 6], the
+        right one's >= 6 px past the left box, each row uniform; centres as the box's middle."""
+        edge, gap = 2, 6
+        left_side, right_side = (int(rng.integers(24, 31)) + 2 for _ in range(2))
+        left_x = int(rng.integers(edge, CANVAS - edge - right_side - gap - left_side + 1))
+        right_x = int(rng.integers(left_x + left_side + gap, CANVAS - edge - right_side + 1))
+        label = int(rng.integers(10))
+        return [{"label": label, "cx": left_x + left_side // 2,
+                 "cy": int(rng.integers(edge, CANVAS - edge - left_side + 1)) + left_side // 2},
+                {"label": (label + 1 + int(rng.integers(9))) % 10, "cx": right_x + right_side // 2,
+                 "cy": int(rng.integers(edge, CANVAS - edge - right_side + 1)) + right_side // 2}]
 
     def next_to_scene(self, rng: np.random.Generator) -> dict:
         """The generator's "which digit is next to the X ?" layout: two small objects far apart,

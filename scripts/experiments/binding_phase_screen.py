@@ -79,11 +79,25 @@ def screen(a) -> None:
                                if k.startswith("positions.")}, strict=False)  # tag rotations: not saved
     positions.tags_active = False  # the tags come on after the remix
     shapes, colors = vocab["answers"]["shape"], vocab["answers"]["color"]
-    scenes = dp.SymbolicScenes(shapes, colors, tb.SHAPE_PLURALS, False, count_layouts=True)
+    scenes = dp.SymbolicScenes(shapes, colors, tb.SHAPE_PLURALS, False, count_layouts=True,
+                               generator_boxes=a.generator_boxes)
     binding = dataclasses.replace(scenes, binding_layouts=True)
     rng = np.random.default_rng(777)
     held_mix = [scenes.sample(rng, dp.KINDS) for _ in range(1536)]
     held_bind = [binding.sample(rng, ["color"]) for _ in range(512)]
+
+    def two_box(sampler, next_to: bool) -> list:
+        """512 digit questions on two boxes: the left/right layout, or the next-to one."""
+        held = []
+        while len(held) < 512:
+            drawn = sampler.sample(rng, ["digit"])
+            boxes = drawn[0]["boxes"]
+            if len(boxes) == 2 and ("anchor" in boxes[0]) == next_to:
+                held.append(drawn)
+        return held
+
+    held_side = two_box(scenes, False)
+    held_next = two_box(dataclasses.replace(scenes, next_to=True), True)
 
     def accuracy(held) -> dict[str, list[int]]:
         acc: dict[str, list[int]] = {}
@@ -97,15 +111,19 @@ def screen(a) -> None:
         decoder.eval()
         with torch.no_grad():
             mix, bind = accuracy(held_mix), accuracy(held_bind)
+            side, beside = accuracy(held_side), accuracy(held_next)
         decoder.train()
         print(json.dumps({"name": a.name, "at": at, "mix": round(float(np.mean([x for v in mix.values() for x in v])), 3),
                           **{k: round(float(np.mean(v)), 2) for k, v in sorted(mix.items())},
-                          "bind_color": round(float(np.mean(bind["color"])), 3)}), flush=True)
+                          "bind_color": round(float(np.mean(bind["color"])), 3),
+                          "digit_side": round(float(np.mean(side["digit"])), 3),
+                          "digit_next_to": round(float(np.mean(beside["digit"])), 3)}), flush=True)
 
     log = lambda phase: (lambda line: print(f"[{phase}] {line}", file=sys.stderr, flush=True))
     report("before")
     t0 = time.time()
-    dp.pretrain(decoder, positions, binding, word_id, steps=a.steps, batch=64, lr=a.lr, seed=a.seed + 18,
+    phase_sampler = dataclasses.replace(binding, next_to=a.next_to)
+    dp.pretrain(decoder, positions, phase_sampler, word_id, steps=a.steps, batch=64, lr=a.lr, seed=a.seed + 18,
                 kinds=a.kinds.split(","), held=min(512, 16 * a.steps), route_weight=a.route,
                 comparator_weight=a.comparator, train_positions=not a.freeze_positions, log=log("binding"))
     report(f"after binding ({time.time() - t0:.0f} s)")
@@ -131,6 +149,10 @@ def main() -> int:
     sc.add_argument("--route", type=float, default=1.0, help="as --prestage-binding-route-weight")
     sc.add_argument("--comparator", type=float, default=0.0, help="the comparator probe's weight in the phase")
     sc.add_argument("--freeze-positions", action="store_true", help="as --prestage-binding-freeze-positions")
+    sc.add_argument("--next-to", action="store_true",
+                    help="the phase's sampler also draws the \"which digit is next to the X ?\" layout")
+    sc.add_argument("--generator-boxes", action="store_true",
+                    help="the left/right box layout as the generator draws it, in the phases and the held-out sets")
     sc.add_argument("--remix", type=int, default=250)
     sc.add_argument("--seed", type=int, default=0)
     sc.add_argument("--threads", type=int, default=2)

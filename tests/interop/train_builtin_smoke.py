@@ -28,6 +28,11 @@ readout losses) and checks that
   - the pre-stage's route targets point at the box a two-box digit question asks about, and
     its count route targets at <s> and the objects a count question counts,
   - --joint-question-scenes draws each type's scenes from exactly the pack's questions of that type,
+  - --prestage-generator-boxes draws the left/right box layout where the generator puts it: every
+    such calibration scene's box centres lie within the sampler's range, the sampler's left box is
+    always left of its right box, and its questions answer "left box" / "right box" accordingly,
+  - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
+    the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
   - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
     stand for, on calibration scenes and on the pre-stage's symbolic ones, and the tagged pre-stage
     steps are deterministic on 2 threads at the builtin decoder's size.
@@ -69,7 +74,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
-           "--vision-count-scenes", "1"]
+           "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -577,6 +582,80 @@ def centre_item_parity(calib_h5: Path) -> list[str]:
     return out[:5]
 
 
+def generator_boxes_parity(calib_h5: Path, draws: int = 4000) -> list[str]:
+    """decoder_prestage.SymbolicScenes.side_by_side_boxes against the generator's left/right scenes."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import decoder_prestage as dp
+    import train_builtin as tb
+    rng = np.random.default_rng(5)
+    drawn = [dp.SymbolicScenes.side_by_side_boxes(rng) for _ in range(draws)]
+    out = []
+    left = [a["cx"] for a, _ in drawn]
+    right = [b["cx"] for _, b in drawn]
+    # compose_digit's bounds: sides 26-32, 2 px edges, 6 px apart -> left centres 15-49, right 47-81.
+    if not (15 <= min(left) and max(left) <= 49 and 47 <= min(right) and max(right) <= 81):
+        out.append(f"generator boxes: centres [{min(left)}, {max(left)}], [{min(right)}, {max(right)}], "
+                   "expected within [15, 49], [47, 81]")
+    if any(a["cx"] >= b["cx"] or a["label"] == b["label"] for a, b in drawn):
+        out.append("generator boxes: a left box not left of the right one, or two boxes of one digit")
+    pack = tb.Pack(calib_h5)
+    metas = [m for m in pack.scenes(np.arange(len(pack))) if m.get("variant") == "digit_left_right"]
+    if not metas:
+        return out + ["generator boxes: the calibration pack has no left/right digit scene"]
+    for m in metas:
+        a, b = sorted(m["digits"], key=lambda d: d["x"])
+        ca, cb = a["x"] + a["side"] / 2, b["x"] + b["side"] / 2
+        if not (min(left) - 1 <= ca <= max(left) + 1 and min(right) - 1 <= cb <= max(right) + 1):
+            out.append(f"generator scene {m['index']}: box centres {ca}, {cb} outside the sampler's "
+                       f"[{min(left)}, {max(left)}], [{min(right)}, {max(right)}]")
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, generator_boxes=True)
+    for _ in range(300):
+        scene, _, q, a = sampler.sample(rng, ["digit"])
+        if len(scene["boxes"]) == 2:
+            lo, hi = sorted(scene["boxes"], key=lambda d: d["cx"])
+            if a != dp.NUMBERS[(lo if "left" in q else hi)["label"]]:
+                out.append(f"generator boxes: {q!r} answered {a!r}")
+    return out[:5]
+
+
+def digit_augment_parity(calib_h5: Path) -> list[str]:
+    """train_builtin.augment_digit_boxes on the calibration pack's digit scenes."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import train_builtin as tb
+    pack = tb.Pack(calib_h5)
+    idx = tb.digit_scene_indices(pack)[:24]
+    imgs, *_ = pack.batch(idx)
+    scenes = pack.scenes(idx)
+    out = []
+    if len(idx) == 0:
+        return ["digit augmentation: the calibration pack has no digit scene to check"]
+    same = tb.augment_digit_boxes(imgs, scenes, np.random.default_rng(0), 0.0)
+    if not np.array_equal(same, imgs):
+        out.append("digit augmentation at strength 0 changed the images")
+    aug = tb.augment_digit_boxes(imgs, scenes, np.random.default_rng(0), 1.0)
+    inside = np.zeros(imgs.shape[:3], dtype=bool)
+    changed_boxes = boxes = 0
+    for b, sc in enumerate(scenes):
+        for d in sc["digits"]:
+            x, y, inner = d["x"] + 1, d["y"] + 1, d["side"] - 2
+            inside[b, y:y + inner, x:x + inner] = True
+            before = 255 - imgs[b, y:y + inner, x:x + inner, 0].astype(float)
+            after = 255 - aug[b, y:y + inner, x:x + inner, 0].astype(float)
+            boxes += 1
+            changed_boxes += not np.array_equal(before, after)
+            if not 0.4 * before.sum() <= after.sum() <= 2.2 * before.sum():  # stroke width: up to ~+80 %
+                out.append(f"digit augmentation: scene {b}'s box ink {after.sum():.0f} against {before.sum():.0f}")
+            if not (aug[b, y:y + inner, x:x + inner, 0] == aug[b, y:y + inner, x:x + inner, 2]).all():
+                out.append(f"digit augmentation: scene {b}'s box is no longer grey")
+    if not np.array_equal(aug[~inside], imgs[~inside]):
+        out.append("digit augmentation changed pixels outside the digit boxes' insides")
+    if changed_boxes < 0.9 * boxes:
+        out.append(f"digit augmentation changed {changed_boxes} of {boxes} boxes")
+    return out[:5]
+
+
 def vision_tap_parity(model_dir: Path) -> list[str]:
     """train_builtin.VisionTap skips the tower's unused last layer while training: the projector's
     input must stay the same tensor, and restore() must bring the layer back."""
@@ -689,6 +768,8 @@ def main() -> int:
         failures += item_tag_parity(work / "calib.h5")
         failures += tag_phase_determinism()
         failures += frozen_positions()
+        failures += digit_augment_parity(work / "calib.h5")
+        failures += generator_boxes_parity(work / "calib.h5")
 
     for f in failures:
         print(f"FAIL {f}")
