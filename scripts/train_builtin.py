@@ -917,6 +917,23 @@ def main() -> int:
                          "remix (0 = off; like the remix, it runs only with --prestage-relation-schedule). 150: the two-box digit form ends the pre-stage at 0.85 on symbolic "
                          "scenes instead of 0.38, and the model answers 0.584 of the digit questions instead of "
                          "0.508 (47 fixed / 28 broken, p = 0.037; 0.8520 vs 0.8480 overall, session 22)")
+    ap.add_argument("--prestage-digit-kinds", default="digit",
+                    help="the kinds the digit phase draws, comma-separated; a kind listed k times is drawn k "
+                         "times as often, and with relation among them the phase has the remix's comparator "
+                         "probe (as --prestage-binding-kinds). Digits alone for 300 steps on the generator's "
+                         "boxes formed the left/right form (0.96) but the remix after it no longer restored "
+                         "relation (0.57 at the pre-stage's end, 0.680 on images; session 29); digit x5,relation "
+                         "kept it (0.93 at the pre-stage's end, two-box digits 0.91; on images relation 0.924, "
+                         "left/right 56 of 78 right; session 30)")
+    ap.add_argument("--prestage-digit-early", action=argparse.BooleanOptionalAction, default=False,
+                    help="the digit phase right after the main mix, before the relation phases, instead of "
+                         "after them. There 300 steps on the generator's boxes did not form the left/right form "
+                         "(0.50 at the phase's end against 0.96 after the relation phases; session 30)")
+    ap.add_argument("--prestage-digit-next-to", action=argparse.BooleanOptionalAction, default=False,
+                    help="the digit phase's scenes also hold the \"which digit is next to the X ?\" layout "
+                         "(SymbolicScenes.next_to_scene), a quarter of its digit questions. With digit x5,relation "
+                         "on the generator's boxes the phase then formed neither form (two-box 0.50 at its end; "
+                         "next-to 0.006 at the pre-stage's end; session 30)")
     ap.add_argument("--prestage-binding-steps", type=int, default=0,
                     help="colour and exist questions alone for N pre-stage steps after the digit phase, before "
                          "the remix, on the generator's binding layouts (decoder_prestage.SymbolicScenes."
@@ -1075,8 +1092,9 @@ def main() -> int:
     if args.prestage_remix_digit_weight < 1:
         raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
     binding_kinds = args.prestage_binding_kinds.split(",")
+    digit_kinds = args.prestage_digit_kinds.split(",")
     for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),
-                           ("--prestage-binding-kinds", binding_kinds)):
+                           ("--prestage-binding-kinds", binding_kinds), ("--prestage-digit-kinds", digit_kinds)):
         unknown = sorted(set(listed) - set(decoder_prestage.KINDS))
         if unknown:
             raise SystemExit(f"{option}: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
@@ -1142,8 +1160,16 @@ def main() -> int:
             if args.prestage_digit_steps > 0:
                 # Digit questions alone before the remix: the two-box form ("the left box") forms there
                 # and the remix keeps it (0.38 -> 0.85 at the pre-stage's end, session 22).
-                phases.append(dict(steps=args.prestage_digit_steps, seed=args.seed + 12,
-                                   held=min(512, 16 * args.prestage_digit_steps), kinds=["digit"]))
+                digit_phase = dict(steps=args.prestage_digit_steps, seed=args.seed + 12,
+                                   held=min(512, 16 * args.prestage_digit_steps), kinds=digit_kinds)
+                if "relation" in digit_kinds:
+                    digit_phase.update(comparator_weight=args.prestage_remix_comparator_weight)
+                if args.prestage_digit_next_to:
+                    digit_phase.update(sampler=dataclasses.replace(sampler, next_to=True))
+                if args.prestage_digit_early:
+                    phases.insert(1, digit_phase)  # right after the main mix
+                else:
+                    phases.append(digit_phase)
             if args.prestage_binding_steps > 0:
                 # Colour and exist alone on the binding layouts, which the later phases keep drawing:
                 # in random scenes the sized pair and the one-attribute lures are rare.
@@ -1179,6 +1205,10 @@ def main() -> int:
                              + (f"-remixdigit{args.prestage_remix_digit_weight}"
                                 if args.prestage_remix_digit_weight != 1 else "")
                              + (f"-digitphase{args.prestage_digit_steps}" if args.prestage_digit_steps else "")
+                             + (f"-digitkinds{'+'.join(digit_kinds)}"
+                                if args.prestage_digit_steps and digit_kinds != ["digit"] else "")
+                             + ("-digitearly" if args.prestage_digit_steps and args.prestage_digit_early else "")
+                             + ("-digitnextto" if args.prestage_digit_steps and args.prestage_digit_next_to else "")
                              + binding_key)
         if item_tag_names(args):
             # The tags come on after every other phase: on from the start, the routing by colour and

@@ -31,6 +31,7 @@ readout losses) and checks that
   - --prestage-generator-boxes draws the left/right box layout where the generator puts it: every
     such calibration scene's box centres lie within the sampler's range, the sampler's left box is
     always left of its right box, and its questions answer "left box" / "right box" accordingly,
+  - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists),
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
     the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
   - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
@@ -74,7 +75,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
-           "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes"]
+           "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
+           "--prestage-digit-kinds", "digit,relation"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -706,6 +708,11 @@ def main() -> int:
             failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
         if len(training.get("decoder_prestage_log", [])) == 0:
             failures.append("vlmopt_training.json: no decoder pre-stage log although --decoder-prestage-steps 2")
+        # --prestage-digit-kinds digit,relation: one phase's held-out set asks exactly those two kinds
+        phase_kinds = [set(e.get("by_kind", {})) - {"digit_two_box"} for e in training.get("decoder_prestage_log", [])]
+        if {"digit", "relation"} not in phase_kinds:
+            failures.append(f"--prestage-digit-kinds digit,relation: no pre-stage phase drew exactly those kinds "
+                            f"(phases drew {phase_kinds})")
         leftovers = [p.name for p in first.parent.iterdir() if p.name.startswith(".builtin-")]
         if leftovers:
             failures.append(f"temp dirs left next to --out: {leftovers}")
