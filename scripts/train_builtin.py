@@ -924,7 +924,9 @@ def main() -> int:
                          "boxes formed the left/right form (0.96) but the remix after it no longer restored "
                          "relation (0.57 at the pre-stage's end, 0.680 on images; session 29); digit x5,relation "
                          "kept it (0.93 at the pre-stage's end, two-box digits 0.91; on images relation 0.924, "
-                         "left/right 56 of 78 right; session 30)")
+                         "left/right 56 of 78 right; without --digit-augment 0.968 and 50 of 78, digits 0.636, "
+                         "0.875 overall against t5's 0.871, count 0.656; with --vision-count-scenes 8 as well 0.8825, "
+                         "digits 0.680, count 0.672; session 30)")
     ap.add_argument("--prestage-digit-early", action=argparse.BooleanOptionalAction, default=False,
                     help="the digit phase right after the main mix, before the relation phases, instead of "
                          "after them. There 300 steps on the generator's boxes did not form the left/right form "
