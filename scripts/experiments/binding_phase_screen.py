@@ -38,6 +38,30 @@ import decoder_prestage as dp  # noqa: E402
 import train_builtin as tb  # noqa: E402
 
 
+def two_box_questions(sampler: dp.SymbolicScenes, rng: np.random.Generator, next_to: bool,
+                      n: int = 512) -> list:
+    """n digit questions on two boxes drawn from `sampler`: the left/right layout, or the next-to one."""
+    if next_to:
+        sampler = dataclasses.replace(sampler, next_to=True)
+    held = []
+    while len(held) < n:
+        drawn = sampler.sample(rng, ["digit"])
+        boxes = drawn[0]["boxes"]
+        if len(boxes) == 2 and ("anchor" in boxes[0]) == next_to:
+            held.append(drawn)
+    return held
+
+
+def accuracy_by_kind(decoder, positions, word_id: dict[str, int], held: list) -> dict[str, list[int]]:
+    """First-token right (1) or wrong (0) per question of `held`, by kind; in batches of 256."""
+    acc: dict[str, list[int]] = {}
+    for i in range(0, len(held), 256):
+        b = dp.collate(held[i:i + 256], word_id)
+        for k, v in dp.accuracy_by_kind(dp.logits(decoder, positions, b), b).items():
+            acc.setdefault(k, []).extend(v)
+    return acc
+
+
 def snapshot(out: Path, train_args: list[str]) -> int:
     from safetensors.torch import save_file
     pretrain = dp.pretrain
@@ -86,26 +110,9 @@ def screen(a) -> None:
     held_mix = [scenes.sample(rng, dp.KINDS) for _ in range(1536)]
     held_bind = [binding.sample(rng, ["color"]) for _ in range(512)]
 
-    def two_box(sampler, next_to: bool) -> list:
-        """512 digit questions on two boxes: the left/right layout, or the next-to one."""
-        held = []
-        while len(held) < 512:
-            drawn = sampler.sample(rng, ["digit"])
-            boxes = drawn[0]["boxes"]
-            if len(boxes) == 2 and ("anchor" in boxes[0]) == next_to:
-                held.append(drawn)
-        return held
-
-    held_side = two_box(scenes, False)
-    held_next = two_box(dataclasses.replace(scenes, next_to=True), True)
-
-    def accuracy(held) -> dict[str, list[int]]:
-        acc: dict[str, list[int]] = {}
-        for i in range(0, len(held), 256):
-            b = dp.collate(held[i:i + 256], word_id)
-            for k, v in dp.accuracy_by_kind(dp.logits(decoder, positions, b), b).items():
-                acc.setdefault(k, []).extend(v)
-        return acc
+    held_side = two_box_questions(scenes, rng, next_to=False)
+    held_next = two_box_questions(scenes, rng, next_to=True)
+    accuracy = lambda held: accuracy_by_kind(decoder, positions, word_id, held)
 
     def report(at: str) -> None:
         decoder.eval()

@@ -25,7 +25,6 @@ accuracy on 512 left/right and 512 next-to digit questions of the generator's la
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -37,26 +36,16 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decoder_prestage as dp  # noqa: E402
 import train_builtin as tb  # noqa: E402
+from binding_phase_screen import accuracy_by_kind, two_box_questions  # noqa: E402
 
 
 def two_box_accuracy(decoder, positions, word_id: dict[str, int], sampler: dp.SymbolicScenes,
-                     next_to: bool, n: int = 512) -> float:
-    """First-token accuracy on n digit questions of two boxes: left/right, or next-to."""
-    rng = np.random.default_rng(777)
-    if next_to:
-        sampler = dataclasses.replace(sampler, next_to=True)
-    held = []
-    while len(held) < n:
-        drawn = sampler.sample(rng, ["digit"])
-        boxes = drawn[0]["boxes"]
-        if len(boxes) == 2 and ("anchor" in boxes[0]) == next_to:
-            held.append(drawn)
-    right: list[int] = []
+                     next_to: bool) -> float:
+    """First-token accuracy on 512 digit questions of two boxes: left/right, or next-to."""
+    held = two_box_questions(sampler, np.random.default_rng(777), next_to)
     decoder.eval()
     with torch.no_grad():
-        for i in range(0, n, 256):
-            batch = dp.collate(held[i:i + 256], word_id)
-            right += dp.accuracy_by_kind(dp.logits(decoder, positions, batch), batch)["digit"]
+        right = accuracy_by_kind(decoder, positions, word_id, held)["digit"]
     decoder.train()
     return round(float(np.mean(right)), 3)
 
