@@ -32,9 +32,14 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    which the answer loss alone never started, in any mix or budget (session 17). The
    steps lean first on the horizontal words, then on the vertical ones, then take all
    four evenly: evenly from the start, only the vertical comparison formed (session 18).
-   Then 150 steps of digit questions alone (--prestage-digit-steps): the two-box form ("which digit
-   is in the left box ?") forms there, 0.38 -> 0.85 at the pre-stage's end, which weighting digits in
-   the full mix never did (session 22: digits 0.508 -> 0.584 on images, 0.8480 -> 0.8520 overall).
+   Then 300 steps of digit questions (--prestage-digit-steps), five in six of them (one in six
+   relation questions with the probe on, --prestage-digit-kinds), with the two digit boxes where the
+   generator puts them (--prestage-generator-boxes: the left one in the image's left half): the
+   two-box form ("which digit is in the left box ?") forms there, 0.38 -> 0.85 at the pre-stage's
+   end (150 digit-only steps, session 22), which weighting digits in the full mix never did; on the
+   AMD hosts it took 300 steps (session 23), the relation draws keep relation through them (0.57 ->
+   0.93 at the pre-stage's end) and the generator's layout lets the routing transfer to images
+   (left/right 50-56 of 78 right instead of 26-36; session 30: digits 0.560 -> 0.680 on images).
    Then 250 full-mix steps again for the kinds the relation phases set back, the probe on
    at a fifth of its weight so that the mix keeps the comparisons. Count questions
    come on the generator's count layouts (zero..five uniform).
@@ -42,7 +47,8 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    count tag on its token (decoder_prestage.TAGS: the number words of the objects of its colour
    and of its shape, each under a fixed rotation), 150 count-only and 150 full-mix steps: a count
    question becomes a lookup and the vision stage learns the counting (count 0.54 -> 0.75 on
-   images, 0.8520 -> 0.871 overall, on an AMD host where the digits' two-box form did not form);
+   images, 0.8520 -> 0.871 overall, on an AMD host where the digits' two-box form did not form;
+   0.656-0.688 in every run since, so 0.75 was likely a lucky draw);
 2. vision stage (2000 steps, on the first 28800 training scenes: more distinct
    digits than the joint stage's 9600): the tower on pooled per-object labels
    (shape, colour, size, digit); the projector pulled onto the pre-staged
@@ -54,7 +60,10 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    its patches (--align-object-centres, session 20: no gain measured, 0.8085 vs 0.8125
    without; on because the shipped model was trained with it). 2000 steps, not 1000: on
    session 21's Intel host 1000 steps read 0.67 of held-out digit boxes and the model scored
-   0.7955; 2000 read 0.85 and scored 0.8480 (session 22's f7; with the digit phase 0.94 and 0.8520);
+   0.7955; 2000 read 0.85 and scored 0.8480 (session 22's f7; with the digit phase 0.94 and 0.8520).
+   8 of every batch's scenes are count questions (--vision-count-scenes), up to six objects with zero
+   to five of one colour or shape, for the count tags, which random scenes mostly ask at one or two
+   (session 30: 0.8825 against 0.875 without);
 3. joint stage (250 steps): everything on the answers, with the stage-2 losses
    kept on, and extra question/answer turns per image derived from the scene
    layout with the generator's templates, drawn round-robin by kind (the first
@@ -103,10 +112,14 @@ the vision stage's pack already in --work (session 19).
   On that host the digit phase did not form the two-box form (0.41-0.43 at the pre-stage's end, with
   either kernel, against 0.85 on the Intel hosts); with 300 digit steps it did (0.82), digits rose
   0.572 -> 0.656 on images but relation and count fell, 0.8415 overall (BENCHMARKS.md, session 23).
-- The shipped recipe (session 25: --count-tags, eager kernels, the defaults) took 28.1 min fresh and
+- Session 25's recipe (t5, shipped in sessions 26-30: --count-tags, eager kernels) took 28.1 min fresh and
   alone on session 25's AMD EPYC host (~545 s, 857 s, 262 s) and scored 0.871; the defaults gave the
   same weights byte for byte there in session 26, in 29.4 min. With 300 digit steps
   and a 400-step remix (session 26) 29.9 min and 0.866.
+- The shipped recipe since session 31 (the generator's boxes, 300 digit-phase steps with relation
+  draws, vision count scenes) took 29.2 min fresh and alone on session 30's AMD EPYC host (1753 s:
+  vision stage 868 s, joint stage 273 s) and scored 0.8825; the defaults gave the same
+  weights byte for byte in session 31, in 29.4 min (1764 s: vision 902 s, joint 275 s).
 
 Writes the checkpoint atomically (temp dir + rename).
 """
@@ -847,20 +860,23 @@ def main() -> int:
                          "its patch features (shipped), or per patch (the 900-step model's recipe, 16e7112)")
     ap.add_argument("--vision-batch", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=3e-3)
-    ap.add_argument("--prestage-generator-boxes", action="store_true",
+    ap.add_argument("--prestage-generator-boxes", action=argparse.BooleanOptionalAction, default=True,
                     help="the pre-stage draws the two-box digit layout as the generator does (the left box in the "
                          "image's left half, the right one in the right half: a lookup by side) instead of both "
-                         "boxes anywhere on one row (a comparison of their columns)")
+                         "boxes anywhere on one row (a comparison of their columns). With the 300-step digit phase "
+                         "the left/right routing transfers to images in every run (50-56 of 78 right against 26-36 "
+                         "without; sessions 29-30; the shipped model, session 31)")
     ap.add_argument("--digit-augment", type=float, default=0.0,
                     help="redraw every digit box's ink in the vision and joint stages under a fresh random writer "
                          "variation of this strength (augment_digit_boxes: rotation, shear, scale, shift, stroke "
                          "width; 0 = off): the training sheet holds 3000 digits, and the shipped model reads its "
                          "single boxes 0.98 on builtin:train against 0.79 on builtin:eval")
-    ap.add_argument("--vision-count-scenes", type=int, default=0,
+    ap.add_argument("--vision-count-scenes", type=int, default=8,
                     help="scenes of every vision batch drawn from the pack's count questions (the generator's count "
                          "layouts: up to six objects, zero to five of one colour or shape), out of the half not "
                          "drawn from digit scenes; for the count tags (--count-tags), which random scenes mostly "
-                         "ask at one or two. 8 with --count-tags: count 0.724 against 0.712 without (session 25)")
+                         "ask at one or two (0 = off). 8 with --count-tags: count 0.724 against 0.712 without (session 25); "
+                         "on the shipped recipe 0.8825 against 0.875 without, count 0.672 against 0.656 (session 30)")
     ap.add_argument("--aux-balanced", action="store_true",
                     help="weight object and background patches equally in the per-patch auxiliary loss "
                          "(see balanced_patch_loss)")
@@ -912,12 +928,13 @@ def main() -> int:
                     help="in the remix, digit questions are drawn this many times as often as each other kind "
                          "(1 = evenly): evenly, the two-box form (\"which digit is in the left box ?\") stayed at "
                          "0.38 on symbolic scenes, at 5 it reached 0.70 within the remix (session 19)")
-    ap.add_argument("--prestage-digit-steps", type=int, default=150,
+    ap.add_argument("--prestage-digit-steps", type=int, default=300,
                     help="digit questions alone for N pre-stage steps after the relation phases, before the "
                          "remix (0 = off; like the remix, it runs only with --prestage-relation-schedule). 150: the two-box digit form ends the pre-stage at 0.85 on symbolic "
                          "scenes instead of 0.38, and the model answers 0.584 of the digit questions instead of "
-                         "0.508 (47 fixed / 28 broken, p = 0.037; 0.8520 vs 0.8480 overall, session 22)")
-    ap.add_argument("--prestage-digit-kinds", default="digit",
+                         "0.508 (47 fixed / 28 broken, p = 0.037; 0.8520 vs 0.8480 overall, session 22). 300 on the AMD hosts, "
+                         "where 150 did not form it (session 23); the shipped recipe since session 31")
+    ap.add_argument("--prestage-digit-kinds", default="digit,digit,digit,digit,digit,relation",
                     help="the kinds the digit phase draws, comma-separated; a kind listed k times is drawn k "
                          "times as often, and with relation among them the phase has the remix's comparator "
                          "probe (as --prestage-binding-kinds). Digits alone for 300 steps on the generator's "
@@ -926,7 +943,7 @@ def main() -> int:
                          "kept it (0.93 at the pre-stage's end, two-box digits 0.91; on images relation 0.924, "
                          "left/right 56 of 78 right; without --digit-augment 0.968 and 50 of 78, digits 0.636, "
                          "0.875 overall against t5's 0.871, count 0.656; with --vision-count-scenes 8 as well 0.8825, "
-                         "digits 0.680, count 0.672; session 30)")
+                         "digits 0.680, count 0.672; session 30; the shipped recipe since session 31)")
     ap.add_argument("--prestage-digit-early", action=argparse.BooleanOptionalAction, default=False,
                     help="the digit phase right after the main mix, before the relation phases, instead of "
                          "after them. There 300 steps on the generator's boxes did not form the left/right form "

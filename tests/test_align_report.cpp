@@ -273,7 +273,7 @@ TEST_CASE("diagnose-align flags the builtin model with shuffled projector rows, 
   // longer depends on where the text looks: masking the 10 % of visual tokens the text attends to
   // most (knockout_delta, nats) leaves it where it was. On 24 samples of builtin:eval at most 16
   // clean samples keep their answer's log-probability within 1 nat (13-16 on the session-22
-  // model and four session-25 siblings; 11-17 per 24-sample window over 96) against 23-24 shuffled
+  // model and four session-25 siblings, 11 on the session-31 one; 11-17 per 24-sample window over 96) against 23-24 shuffled
   // ones (all 96 of 96). The attention-shape metrics (tau_align, tau_norm, topk_mass, js_drift,
   // attn_mass) separated the two on some checkpoints and not on others: their per-checkpoint
   // thresholds are in docs/align.md, and they are printed below for the record.
