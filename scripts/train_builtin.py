@@ -512,6 +512,9 @@ def item_tag_names(args) -> tuple[str, ...]:
     return tuple(t for t in decoder_prestage.TAGS if on[t])
 
 
+COUNT_HEADS = ("count_color", "count_shape")  # the pooled heads --vision-count-weight scales
+
+
 def pooled_losses(feats: torch.Tensor, items, heads) -> tuple[dict, dict]:
     """Cross-entropy and accuracy per head on the mask-mean of `feats` [B, GRID*GRID, hidden]."""
     losses, accs = {}, {}
@@ -609,7 +612,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         with autocast(args):
             tower(pixel_values=to_pixels(imgs))
             losses, accs = pooled_losses(tap.value[:, 1:, :], items, heads)
-            loss = sum(losses.values()) / len(losses)
+            loss = sum(args.vision_count_weight * v if k in COUNT_HEADS else v for k, v in losses.items()) / len(losses)
             if align is not None:
                 aligned = align(tap.value[:, 1:, :], scenes, items)
                 losses.update(aligned)
@@ -877,6 +880,12 @@ def main() -> int:
                          "drawn from digit scenes; for the count tags (--count-tags), which random scenes mostly "
                          "ask at one or two (0 = off). 8 with --count-tags: count 0.724 against 0.712 without (session 25); "
                          "on the shipped recipe 0.8825 against 0.875 without, count 0.672 against 0.656 (session 30)")
+    ap.add_argument("--vision-count-weight", type=float, default=1.0,
+                    help="weight of the count tags' pooled heads (count_color, count_shape) in the vision stage, "
+                         "against 1 for each other head: the tower reads a count-by-shape tag of three or four "
+                         "objects right on 15 of 72 and 25 of 136 of its own training scenes' objects "
+                         "(scripts/experiments/count_tag_readout.py; session 31). 3: no better (three 14 of 75, four 8 of 72 on eval), "
+                         "and the digit head fell: 0.860 against 0.8825, digits 0.532 (session 31)")
     ap.add_argument("--aux-balanced", action="store_true",
                     help="weight object and background patches equally in the per-patch auxiliary loss "
                          "(see balanced_patch_loss)")
@@ -1295,6 +1304,7 @@ def main() -> int:
         key += ("-counttags" if args.count_tags else "") + ("-digittags" if args.digit_tags else "")
         key += f"-countscenes{args.vision_count_scenes}" if args.vision_count_scenes else ""
         key += f"-digitaug{args.digit_augment}" if args.digit_augment else ""
+        key += f"-countweight{args.vision_count_weight}" if args.vision_count_weight != 1.0 else ""
         stage = torch.nn.ModuleDict({"tower": model.model.vision_tower, "heads": pooled_heads})
         if args.align_weight > 0:
             key += f"-align-{args.align_weight}-{prestage_key}"

@@ -76,7 +76,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
-           "--prestage-digit-kinds", "digit,relation"]
+           "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
