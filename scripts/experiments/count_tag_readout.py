@@ -84,7 +84,6 @@ def main() -> int:
         idx = idx[:args.limit]
 
     rows = []  # per question: true count, tag read (None: no object counted), answer, kind
-    item_hits = collections.Counter()
     by_value = collections.defaultdict(collections.Counter)  # (tag, true value) -> reads
     for start in range(0, len(idx), args.batch):
         part = idx[start:start + args.batch]
@@ -105,14 +104,13 @@ def main() -> int:
                 feat = projected[b, dp.patch_index(o["cx"], o["cy"])]
                 read = int((feat @ tables[tag].T).argmax())
                 reads.append(read)
-                truth = obj_tags[j][dp.TAGS.index(tag)]
-                item_hits[(tag, read == truth)] += 1
-                by_value[(tag, truth)][read] += 1
+                by_value[(tag, obj_tags[j][dp.TAGS.index(tag)])][read] += 1
             read = collections.Counter(reads).most_common(1)[0][0] if reads else None
             rows.append((dp.NUMBERS.index(a), read, predictions[int(i)]["prediction"] if predictions else None, tag))
 
+    per_tag = {t: [(reads[v], sum(reads.values())) for (tt, v), reads in by_value.items() if tt == t] for t in COUNT_TAGS}
     print(f"{len(rows)} count questions; per object, tag read right: "
-          + ", ".join(f"{t} {item_hits[(t, True)]}/{item_hits[(t, True)] + item_hits[(t, False)]}" for t in COUNT_TAGS))
+          + ", ".join(f"{t} {sum(r for r, _ in per_tag[t])}/{sum(n for _, n in per_tag[t])}" for t in COUNT_TAGS))
     for t in COUNT_TAGS:
         print(f"{t} per object, true value: reads")
         for v in sorted(n for tt, n in by_value if tt == t):
