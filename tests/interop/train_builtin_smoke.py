@@ -31,6 +31,7 @@ readout losses) and checks that
   - --prestage-generator-boxes draws the left/right box layout where the generator puts it: every
     such calibration scene's box centres lie within the sampler's range, the sampler's left box is
     always left of its right box, and its questions answer "left box" / "right box" accordingly,
+  - --vision-early-shape-layer trains and reports its early shape head in the first stage's log,
   - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists),
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
     the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
@@ -76,7 +77,8 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
-           "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2"]
+           "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
+           "--vision-early-shape-layer", "1"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -706,6 +708,9 @@ def main() -> int:
             failures.append(f"vlmopt_training.json steps: expected {STEPS}, got {training.get('steps')}")
         if len(training.get("vision_log", [])) == 0:
             failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
+        elif "early_shape" not in training["vision_log"][-1].get("heldout_pooled_acc", {}):
+            failures.append("vlmopt_training.json: the first stage's log has no early_shape accuracy although "
+                            "--vision-early-shape-layer 1")
         if len(training.get("decoder_prestage_log", [])) == 0:
             failures.append("vlmopt_training.json: no decoder pre-stage log although --decoder-prestage-steps 2")
         # --prestage-digit-kinds digit,relation: one phase's held-out set asks exactly those two kinds
