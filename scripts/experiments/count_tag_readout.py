@@ -12,10 +12,12 @@ model's answers (`vlmopt eval --predictions`):
 
   - tag right: the read of the questioned objects' tag (majority over the objects the question
     counts) equals the true count;
-  - answer = tag read: the model's answer equals that read, right or wrong.
+  - answer = tag read: the model's answer equals that read, right or wrong;
+  - with --by-size, the reads split by how many of the counted objects are large (does the tower
+    count objects or patches?).
 
     scripts/experiments/count_tag_readout.py --vlmopt build/apps/vlmopt/vlmopt --model M \\
-        --pack EVAL.h5 --predictions P.jsonl
+        --pack EVAL.h5 --predictions P.jsonl [--by-size]
 
 EVAL.h5: `vlmopt datasets pack builtin:eval EVAL.h5`; P.jsonl: `vlmopt eval --model M --data
 builtin:eval --predictions P.jsonl` (the same samples, in the pack's order).
@@ -60,6 +62,9 @@ def main() -> int:
     ap.add_argument("--predictions", default=None,
                     help="vlmopt eval --predictions output for the same samples (without: the tags alone)")
     ap.add_argument("--limit", type=int, default=0, help="the first N count questions only (0 = all)")
+    ap.add_argument("--by-size", action="store_true",
+                    help="also the reads split by how many of the counted objects are large: a tower that counted "
+                         "patches rather than objects would read higher with more large ones")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -85,6 +90,7 @@ def main() -> int:
 
     rows = []  # per question: true count, tag read (None: no object counted), answer, kind
     by_value = collections.defaultdict(collections.Counter)  # (tag, true value) -> reads
+    by_size = collections.defaultdict(collections.Counter)  # (tag, objects counted, of them large) -> reads
     for start in range(0, len(idx), args.batch):
         part = idx[start:start + args.batch]
         imgs, questions, answers, _ = pack.batch(part)
@@ -98,6 +104,8 @@ def main() -> int:
             key = "color" if tag == "count_color" else "shape"
             reads = []
             obj_tags, _ = dp.item_tags(dp.scene_from_meta(sc))
+            same = [o for o in sc["objects"] if o[key] == word]
+            size_key = (tag, len(same), sum(o["size"] != "small" for o in same))
             for j, o in enumerate(sc["objects"]):
                 if o[key] != word:
                     continue
@@ -105,6 +113,7 @@ def main() -> int:
                 read = int((feat @ tables[tag].T).argmax())
                 reads.append(read)
                 by_value[(tag, obj_tags[j][dp.TAGS.index(tag)])][read] += 1
+                by_size[size_key][read] += 1
             read = collections.Counter(reads).most_common(1)[0][0] if reads else None
             rows.append((dp.NUMBERS.index(a), read, predictions[int(i)]["prediction"] if predictions else None, tag))
 
@@ -117,6 +126,11 @@ def main() -> int:
             reads = by_value[(t, v)]
             print(f"  {dp.NUMBERS[v]:>5}: right {reads[v]}/{sum(reads.values())}; reads "
                   + ", ".join(f"{dp.NUMBERS[r]} {c}" for r, c in sorted(reads.items())))
+    if args.by_size:
+        print("tag | objects counted | of them large | objects | read right | mean read")
+        for (t, n, large), reads in sorted(by_size.items()):
+            total = sum(reads.values())
+            print(f"{t} | {n} | {large} | {total} | {reads[n]} | {sum(r * c for r, c in reads.items()) / total:.2f}")
     if not predictions:
         return 0
     print("true | n | answer right | tag read right | answer = tag read | answer right, tag wrong | tag right, answer wrong")
