@@ -922,7 +922,7 @@ def main() -> int:
                          "by layer L leaves the layers after it to count. It does form (held-out 0.93 at L 1, "
                          "0.997 at L 2) but the count-by-shape tags of three and four objects still read 12-19 of "
                          "~75 on eval, and the models draw 0.881 (L 2) and 0.8835 (L 1) against 0.8825: count "
-                         "0.72-0.74 (within the 0.65-0.74 spread of fresh vision stages), digits 0.63-0.65 "
+                         "0.72-0.74 (count spans 0.65-0.74 over seven vision stages on the same pre-stage), digits 0.63-0.65 "
                          "(session 32). 0: off")
     ap.add_argument("--aux-balanced", action="store_true",
                     help="weight object and background patches equally in the per-patch auxiliary loss "
