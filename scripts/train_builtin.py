@@ -644,12 +644,10 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
                 tower.eval()
                 imgs, *_ = held.batch(held_idx)
                 tower(pixel_values=to_pixels(imgs))
-                _, held_accs = pooled_losses(tap.value[:, 1:, :], pooled_targets(held.scenes(held_idx), shapes, colors,
-                                                                             tags=item_tag_names(args)),
-                                             heads)
+                held_items = pooled_targets(held.scenes(held_idx), shapes, colors, tags=item_tag_names(args))
+                _, held_accs = pooled_losses(tap.value[:, 1:, :], held_items, heads)
                 if early_heads is not None:
-                    _, early_held = pooled_losses(tap.early[:, 1:, :], pooled_targets(held.scenes(held_idx), shapes,
-                                                                                      colors), early_heads)
+                    _, early_held = pooled_losses(tap.early[:, 1:, :], held_items, early_heads)
                     held_accs.update({f"early_{k}": v for k, v in early_held.items()})
                 tower.train()
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),

@@ -104,11 +104,9 @@ def main() -> int:
             key = "color" if tag == "count_color" else "shape"
             reads = []
             obj_tags, _ = dp.item_tags(dp.scene_from_meta(sc))
-            same = [o for o in sc["objects"] if o[key] == word]
-            size_key = (tag, len(same), sum(o["size"] != "small" for o in same))
-            for j, o in enumerate(sc["objects"]):
-                if o[key] != word:
-                    continue
+            same = [(j, o) for j, o in enumerate(sc["objects"]) if o[key] == word]
+            size_key = (tag, len(same), sum(o["size"] != "small" for _, o in same))
+            for j, o in same:
                 feat = projected[b, dp.patch_index(o["cx"], o["cy"])]
                 read = int((feat @ tables[tag].T).argmax())
                 reads.append(read)
