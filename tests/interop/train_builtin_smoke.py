@@ -78,7 +78,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
-           "--vision-early-shape-layer", "1"]
+           "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--joint-tower-lr-scale", "0.5"]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -711,6 +711,10 @@ def main() -> int:
         elif "early_shape" not in training["vision_log"][-1].get("heldout_pooled_acc", {}):
             failures.append("vlmopt_training.json: the first stage's log has no early_shape accuracy although "
                             "--vision-early-shape-layer 1")
+        elif training["vision_log"][-1].get("vision_step") != "ema":
+            failures.append(f"vlmopt_training.json: the first stage's last log entry is step "
+                            f"{training['vision_log'][-1].get('vision_step')}, not the moving average's check "
+                            f"although --vision-ema 0.9")
         if len(training.get("decoder_prestage_log", [])) == 0:
             failures.append("vlmopt_training.json: no decoder pre-stage log although --decoder-prestage-steps 2")
         # --prestage-digit-kinds digit,relation: one phase's held-out set asks exactly those two kinds
