@@ -613,8 +613,9 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     log, t0 = [], time.time()
     held_idx = np.arange(min(256, len(held)))
     half = args.vision_batch // 2
-    # The average's copy of every trained weight (fp32, as the weights).
+    # The average's copy of every trained weight (fp32, as the weights); live_weights share the weights' storage.
     ema = [p.detach().clone() for p in params] if args.vision_ema > 0 else None
+    live_weights = [p.detach() for p in params]
 
     def held_out_accuracies() -> dict:
         with torch.no_grad():
@@ -664,7 +665,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         if ema is not None:
             with torch.no_grad():
                 decay = min(args.vision_ema, (1 + step) / (10 + step))
-                torch._foreach_lerp_(ema, [p.detach() for p in params], 1.0 - decay)
+                torch._foreach_lerp_(ema, live_weights, 1.0 - decay)
         if step % 100 == 0 or step == args.vision_steps - 1:  # a check costs ~1 s (256 images)
             held_accs = held_out_accuracies()
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
@@ -675,7 +676,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
             print(f"[train] {json.dumps(entry)}", file=sys.stderr, flush=True)
     if ema is not None:
         with torch.no_grad():
-            torch._foreach_copy_([p.data for p in params], ema)
+            torch._foreach_copy_(live_weights, ema)
         held_accs = held_out_accuracies()
         entry = {"vision_step": "ema", "decay": args.vision_ema,
                  "heldout_pooled_acc": {k: round(a, 3) for k, (a, _) in held_accs.items()}}
