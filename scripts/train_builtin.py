@@ -1103,10 +1103,10 @@ def main() -> int:
                          "(--prestage-count-route-weight; another key/value group) are guided")
     ap.add_argument("--prestage-comparator-layer", type=int, default=2,
                     help="decoder layer whose output at the answer position the comparator probe reads")
-    ap.add_argument("--vision-pack", type=int, default=50000,
+    ap.add_argument("--vision-pack", type=int, default=None,
                     help="samples of builtin:train the vision stage (and the joint stage's digit and count scenes) "
-                         "draw from (0 = the joint stage's pack, --steps x --batch). The default, all of "
-                         "builtin:train, holds 6250 digit scenes with 2883 distinct training digits and 6250 count "
+                         "draw from (0 = the joint stage's pack, --steps x --batch; default: all of builtin:train, "
+                         "as many as `vlmopt datasets show` reports). All of builtin:train (50000) holds 6250 digit scenes with 2883 distinct training digits and 6250 count "
                          "scenes; 28800 (sessions 11-34) held 3599 / 2551 / 3592, and the tower memorised them: "
                          "held-out digit 0.87 -> 0.93, count_shape 0.75 -> 0.91, builtin:eval 0.8905 -> 0.8995 "
                          "(session 35)")
@@ -1156,6 +1156,8 @@ def main() -> int:
 
     vocab_words = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))["words"]
     samples = args.steps * args.batch
+    if args.vision_pack is None:  # all of it: the generator, not this script, knows the split's size
+        args.vision_pack = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "show", "builtin:train"))["size"]
     vision_samples = args.vision_pack or samples
 
     def train_pack(n: int) -> Pack:
