@@ -522,10 +522,15 @@ def pooled_targets(scenes: list[dict], shapes: list[str], colors: list[str], obj
     return items
 
 
+def digit_tags_key(args) -> str:
+    """The cache-key part for --digit-tags ("both" keeps the key it had as an on/off switch)."""
+    return {None: "", "both": "-digittags"}.get(args.digit_tags, f"-digittags-{args.digit_tags}")
+
+
 def item_tag_names(args) -> tuple[str, ...]:
     """The item tags (decoder_prestage.TAGS) that --count-tags and --digit-tags switch on."""
-    on = {"count_color": args.count_tags, "count_shape": args.count_tags, "next_digit": args.digit_tags,
-          "box_side": args.digit_tags}
+    on = {"count_color": args.count_tags, "count_shape": args.count_tags, "next_digit": args.digit_tags in ("both", "next"),
+          "box_side": args.digit_tags in ("both", "side")}
     return tuple(t for t in decoder_prestage.TAGS if on[t])
 
 
@@ -880,11 +885,13 @@ def main() -> int:
                          "the decoder, and the counting moves to the vision tower: count 0.54 -> 0.75 on images, "
                          "0.871 overall against session 22's 0.8520 (p = 0.019) on an AMD host (session 25; the "
                          "shipped model)")
-    ap.add_argument("--digit-tags", action="store_true",
-                    help="also the digit tags: an object with a digit box beside it carries that box's digit, each of "
-                         "two boxes side by side its side (\"left\" / \"right\"), each under its own rotation "
-                         "(decoder_prestage.TAGS): the two-box digit questions become lookups as well. With "
-                         "--count-tags, no gain: digits 0.508, and count fell back to 0.584 (session 25)")
+    ap.add_argument("--digit-tags", nargs="?", const="both", default=None, choices=["both", "next", "side"],
+                    help="also the digit tags: an object with a digit box beside it carries that box's digit (next), "
+                         "each of two boxes side by side its side (\"left\" / \"right\"; side), each under its own "
+                         "rotation (decoder_prestage.TAGS): the two-box digit questions become lookups as well. Both, "
+                         "with --count-tags: no gain, digits 0.508, count 0.584 (session 25); with the session-35 "
+                         "recipe and --count-tag-steps 300, 0.8475: the tower read the digit beside an object on 4 of "
+                         "12 held-out objects and its own digits fell 0.926 -> 0.815; the sides alone 0.877 (session 36)")
     ap.add_argument("--count-tag-steps", type=int, default=150,
                     help="with --count-tags / --digit-tags: pre-stage steps of the questions they serve alone with "
                          "the tags on, after the other phases")
@@ -1336,13 +1343,14 @@ def main() -> int:
             # session 25). The kinds they serve alone with them, then the full mix with them; with
             # the digit tags the sampler also draws the "next to" layout (next_to_scene).
             tag_kinds = (["count"] if args.count_tags else []) + (["digit"] if args.digit_tags else [])
-            tag_sampler = dataclasses.replace(late_sampler, next_to=True) if args.digit_tags else late_sampler
+            tag_sampler = (dataclasses.replace(late_sampler, next_to=True) if args.digit_tags in ("both", "next")
+                           else late_sampler)
             phases.append(dict(steps=args.count_tag_steps, seed=args.seed + 14, kinds=tag_kinds, tags=True,
                                held=min(512, 16 * args.count_tag_steps), sampler=tag_sampler))
             phases.append(dict(steps=args.count_tag_remix_steps, seed=args.seed + 16, kinds=decoder_prestage.KINDS,
                                tags=True, held=min(1024, 16 * args.count_tag_remix_steps), sampler=tag_sampler,
                                comparator_weight=args.prestage_remix_comparator_weight))
-            prestage_key += (("-counttags" if args.count_tags else "") + ("-digittags" if args.digit_tags else "")
+            prestage_key += (("-counttags" if args.count_tags else "") + digit_tags_key(args)
                              + f"{args.count_tag_steps}+{args.count_tag_remix_steps}")
         if args.prestage_position_first > 0:
             # Size and position (and count) questions alone first: on their own the decoder learns to
@@ -1397,7 +1405,7 @@ def main() -> int:
         key = f"vision-pooled-{args.vision_steps}-{args.vision_batch}-{args.vision_lr}-{args.seed}-{vision_samples}"
         key += "-bf16" if args.precision == "bf16" else ""
         key += "-eager" if args.attention == "eager" else ""
-        key += ("-counttags" if args.count_tags else "") + ("-digittags" if args.digit_tags else "")
+        key += ("-counttags" if args.count_tags else "") + digit_tags_key(args)
         key += f"-countscenes{args.vision_count_scenes}" if args.vision_count_scenes else ""
         key += f"-digitaug{args.digit_augment}" if args.digit_augment else ""
         key += f"-countweight{args.vision_count_weight}" if args.vision_count_weight != 1.0 else ""
