@@ -1161,7 +1161,7 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="vlmopt-train-"))
     work.mkdir(parents=True, exist_ok=True)
 
-    vocab_words = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))["words"]
+    vocab_info = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))
     samples = args.steps * args.batch
     if args.vision_pack is None:  # all of it: the generator, not this script, knows the split's size
         args.vision_pack = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "show", "builtin:train"))["size"]
@@ -1182,7 +1182,7 @@ def main() -> int:
         run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:calib", str(calib_h5))
     held = Pack(calib_h5)
 
-    tok = build_tokenizer(vocab_words)
+    tok = build_tokenizer(vocab_info["words"])
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
     config = make_config(tok.get_vocab_size(), ids["<image>"], ids, args.vision_feature_layer)
     if args.init_from:
@@ -1208,7 +1208,6 @@ def main() -> int:
     # scenes per step from the joint pack
     joint_pack_batch = args.batch - args.joint_digit_scenes - sum(question_scenes.values())
     steps_max = min(args.steps, len(train) // joint_pack_batch)
-    vocab_info = json.loads(run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))
     shapes, colors = vocab_info["answers"]["shape"], vocab_info["answers"]["color"]
     word_id = tok.get_vocab()
     align, prestage_key = None, None
@@ -1343,7 +1342,7 @@ def main() -> int:
             # session 25). The kinds they serve alone with them, then the full mix with them; with
             # the digit tags the sampler also draws the "next to" layout (next_to_scene).
             tag_kinds = (["count"] if args.count_tags else []) + (["digit"] if args.digit_tags else [])
-            tag_sampler = (dataclasses.replace(late_sampler, next_to=True) if args.digit_tags in ("both", "next")
+            tag_sampler = (dataclasses.replace(late_sampler, next_to=True) if "next_digit" in item_tag_names(args)
                            else late_sampler)
             phases.append(dict(steps=args.count_tag_steps, seed=args.seed + 14, kinds=tag_kinds, tags=True,
                                held=min(512, 16 * args.count_tag_steps), sampler=tag_sampler))
