@@ -765,15 +765,29 @@ def aligned_targets(scenes: list[dict], items, embed_weight: torch.Tensor, posit
     words = {"shape": shapes, "color": colors, "size": ["small", "large"], "digit": NUMBERS}
     e = embed_weight.detach()
     tags = {t: positions.tag_word_table(e, t) for t in positions.tag_words} if positions is not None else {}
+    # Every vector an item can add, as rows of one table: the word embeddings, then each tag's rotated words.
+    offsets, table = {}, [e]
+    for t, words_of_tag in tags.items():
+        offsets[t] = sum(x.size(0) for x in table)
+        table.append(words_of_tag)
+    table = torch.cat(table).to(out.dtype)
+    # (flat patch index, table row) per addition, in the items' order. One index_add_ then adds them
+    # patch by patch in that order, the same float sums as one masked add per item and word, bit for bit
+    # (session 37: 0.019 -> 0.006 s a batch of 64 on one thread, ~3 % of a vision-stage step).
+    flat, rows = [], []
+    patches = out.size(1)
     for b, mask, head, label in items:
-        m = torch.from_numpy(mask)
         if head in TAGS:
-            if head in tags:
-                out[b, m] += tags[head][label]
-            continue
-        out[b, m] += e[word_id[words[head][label]]]
-        if head == "digit":
-            out[b, m] += e[word_id["box"]]
+            adds = [offsets[head] + label] if head in tags else []
+        else:
+            adds = [word_id[words[head][label]]] + ([word_id["box"]] if head == "digit" else [])
+        where = np.flatnonzero(mask) + b * patches
+        for row in adds:
+            flat.append(where)
+            rows.append(np.full(where.size, row))
+    if flat:
+        source = table[torch.from_numpy(np.concatenate(rows))]
+        out.view(-1, out.size(-1)).index_add_(0, torch.from_numpy(np.concatenate(flat)), source)
     return out
 
 
