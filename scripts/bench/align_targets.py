@@ -2,8 +2,8 @@
 """Times decoder_prestage.aligned_targets (the vision stage's per-batch alignment targets) against the
 same function at another git revision, and checks that both give the same tensor bit for bit.
 
-    scripts/bench/align_targets.py --pack WORK/train-50000.h5 [--reference-rev a41431b]
-        [--batches 20] [--threads 1]
+    scripts/bench/align_targets.py --vlmopt build/apps/vlmopt/vlmopt --pack WORK/train-50000.h5
+        [--reference-rev a41431b] [--batches 20] [--threads 1]
 
 WORK/train-50000.h5: the training pack train_builtin.py writes into its --work (`vlmopt datasets pack
 builtin:train`). The word embeddings and position table are random (the targets' cost does not depend
@@ -29,8 +29,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import decoder_prestage as dp  # noqa: E402
 import train_builtin as tb  # noqa: E402
 
-COLORS = ["red", "green", "blue", "yellow", "purple", "orange"]
-SHAPES = ["circle", "square", "triangle", "star", "cross"]
 COUNT_TAGS = ("count_color", "count_shape")
 
 
@@ -49,6 +47,7 @@ def module_at(rev: str, tmp: Path):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vlmopt", required=True, help="the vlmopt binary (its generator's vocabulary)")
     ap.add_argument("--pack", required=True, type=Path)
     ap.add_argument("--reference-rev", default="a41431b", help="git revision to compare with (default: the "
                                                                "last one with one masked add per item)")
@@ -57,7 +56,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    words = ["box", "small", "large"] + COLORS + SHAPES + list(dp.NUMBERS)
+    vocab = json.loads(tb.run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))
+    colors, shapes, words = vocab["answers"]["color"], vocab["answers"]["shape"], vocab["words"]
     word_id = {w: i for i, w in enumerate(words)}
     hidden = 128
     embed = torch.randn(len(words), hidden, generator=torch.Generator().manual_seed(0))
@@ -74,13 +74,13 @@ def main() -> None:
         for _ in range(args.batches):
             idx = np.unique(rng.choice(len(pack), 64, replace=False))
             scenes = pack.scenes(idx)
-            items = tb.pooled_targets(scenes, SHAPES, COLORS, object_centres=True, tags=COUNT_TAGS)
+            items = tb.pooled_targets(scenes, shapes, colors, object_centres=True, tags=COUNT_TAGS)
             outs = []
             for name, (module, positions) in impls.items():
                 table = positions.table(embed).detach()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
                     start = time.perf_counter()
-                    outs.append(module.aligned_targets(scenes, items, embed, table, word_id, SHAPES, COLORS, positions))
+                    outs.append(module.aligned_targets(scenes, items, embed, table, word_id, shapes, colors, positions))
                     seconds[name] += time.perf_counter() - start
             equal &= outs[0].dtype == outs[1].dtype and torch.equal(outs[0], outs[1])
     print(json.dumps({"batches": args.batches, "threads": args.threads, "bitwise_equal": bool(equal),

@@ -14,8 +14,8 @@ its heads are not saved, so this is the vision stage's head on the final tower, 
 The eval pack holds 389 digit boxes against the vision stage's 54 held-out ones, so the tower's
 reading is measured with a ~2 % standard error instead of ~4 %.
 
-    scripts/experiments/tower_digit_reads.py --stage WORK/vision-pooled-...safetensors \\
-        --pack EVAL.h5 --predictions P.jsonl [--model M]
+    scripts/experiments/tower_digit_reads.py --vlmopt build/apps/vlmopt/vlmopt \\
+        --stage WORK/vision-pooled-...safetensors --pack EVAL.h5 --predictions P.jsonl [--model M]
 
 EVAL.h5: `vlmopt datasets pack builtin:eval EVAL.h5`; P.jsonl: `vlmopt eval --model M --data
 builtin:eval --predictions P.jsonl` (the same samples, in the pack's order). Prints one JSON line.
@@ -36,12 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import decoder_prestage as dp  # noqa: E402
 import train_builtin as tb  # noqa: E402
 from transformers import LlavaConfig, LlavaForConditionalGeneration  # noqa: E402
-
-# The generator's colours and shapes (`vlmopt datasets vocab`); pooled_targets needs them only to
-# label objects, which this script skips.
-COLORS = ["red", "green", "blue", "yellow", "purple", "orange"]
-SHAPES = ["circle", "square", "triangle", "star", "cross"]
-
 
 def digit_form(question: str) -> str:
     return "single" if "in the box" in question else ("next_to" if "next to" in question else "left_right")
@@ -78,6 +72,7 @@ def crosstab(items: list, reads: list[int], predictions: list[dict]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vlmopt", required=True, help="the vlmopt binary (its generator's vocabulary)")
     ap.add_argument("--stage", required=True, type=Path, help="a vision-stage cache (.safetensors) from --work")
     ap.add_argument("--pack", required=True, type=Path, help="vlmopt datasets pack builtin:eval EVAL.h5")
     ap.add_argument("--predictions", required=True, type=Path, help="vlmopt eval --predictions P.jsonl")
@@ -100,7 +95,8 @@ def main() -> None:
     idx = np.array([i for i, p in enumerate(predictions) if p["question_type"] == "digit"])
     digit_preds = [predictions[i] for i in idx]
     imgs, *_ = pack.batch(idx)
-    items = [it for it in tb.pooled_targets(pack.scenes(idx), SHAPES, COLORS) if it[2] == "digit"]
+    answers = json.loads(tb.run_vlmopt(args.vlmopt, "--json", "datasets", "vocab"))["answers"]
+    items = [it for it in tb.pooled_targets(pack.scenes(idx), answers["shape"], answers["color"]) if it[2] == "digit"]
 
     towers = {}
     if args.model:
