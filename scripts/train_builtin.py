@@ -725,6 +725,53 @@ def parse_question_scenes(text: str) -> dict[str, int]:
     return out
 
 
+def parse_until(option: str, text: str) -> dict[str, float]:
+    """--prestage-first-until "position=0.85" -> {"position": 0.85} (empty text: no gate)."""
+    out: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
+        kind, _, figure = part.partition("=")
+        try:
+            accuracy = float(figure)
+        except ValueError:
+            accuracy = -1.0
+        if kind not in decoder_prestage.KINDS + ["digit_two_box"] or not 0 < accuracy <= 1 or kind in out:
+            raise SystemExit(f"{option}: expected KIND=ACCURACY,... with KIND one of {decoder_prestage.KINDS} or "
+                             f"digit_two_box (each once) and 0 < ACCURACY <= 1, got {part!r}")
+        out[kind] = accuracy
+    return out
+
+
+def gated_phase(train_phase, stage: torch.nn.Module, seed: int, until: dict[str, float] | None, retries: int,
+                log=print) -> list[dict]:
+    """train_phase(seed) -> its log entries, under a gate (--prestage-first-until, --prestage-main-until).
+
+    When a kind of `until` ends the phase below its held-out accuracy, the phase starts over from
+    the weights `stage` had before it, on the draws of seed + 1000 * k (k = 1.. `retries`); the
+    last try stands whatever it reaches. The routing forms abruptly or stalls for good: seed 2's
+    first phase stalled with position near 0.6 and stayed there when it ran twice as long (session
+    38), so a stalled phase is started over rather than run on. Whether a restart helps depends on
+    how often the phase stalls from that start: at the default rate seed 2's start stalled on all
+    three draws tried, with --prestage-first-lr 5e-4 on neither of two. A phase met on its first try computes
+    exactly as without the gate. Returns every try's entries, each with "try" when the phase has a gate."""
+    if not until:
+        return train_phase(seed)
+    start = {k: v.detach().clone() for k, v in stage.state_dict().items()}
+    rng = torch.get_rng_state()
+    entries = []
+    for attempt in range(retries + 1):
+        if attempt:
+            stage.load_state_dict(start)
+            torch.set_rng_state(rng)
+        run = [{**e, "try": attempt} for e in train_phase(seed + 1000 * attempt)]
+        entries += run
+        short = sorted(k for k, v in until.items() if run[-1]["by_kind"].get(k, 0.0) < v)
+        if not short:
+            break
+        log(json.dumps({"gate": until, "short": short, "try": attempt,
+                        "then": "start over" if attempt < retries else "keep"}))
+    return entries
+
+
 def question_streams(pack: "Pack", question_scenes: dict[str, int], seed: int) -> list[tuple[int, np.ndarray]]:
     """(scenes per step, the pack's indices whose question has that type, shuffled) per entry of
     --joint-question-scenes; the j-th type shuffles with seed + j."""
@@ -993,6 +1040,16 @@ def main() -> int:
                     help="question kinds of the --prestage-position-first phase (comma-separated, of "
                          "decoder_prestage.KINDS; a kind listed twice is drawn twice as often); with count "
                          "the full mix's routing formed by step 1000 instead of ~2500 (session 14)")
+    ap.add_argument("--prestage-first-lr", type=float, default=None,
+                    help="learning rate of the --prestage-position-first phase (default: --decoder-prestage-lr)")
+    ap.add_argument("--prestage-first-until", default="",
+                    help="gate on the --prestage-position-first phase, KIND=ACCURACY,...: when a listed kind's "
+                         "held-out accuracy ends below its figure, the phase starts over from the weights it "
+                         "started from, on other draws (at most --prestage-retries times); empty = no gate")
+    ap.add_argument("--prestage-main-until", default="",
+                    help="the same gate on the pre-stage's main mix (--decoder-prestage-steps)")
+    ap.add_argument("--prestage-retries", type=int, default=2,
+                    help="the most times a gated phase starts over")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
                     help="the pre-stage also samples the generator's digit-next-to-object layout")
     ap.add_argument("--prestage-count-layouts", action=argparse.BooleanOptionalAction, default=True,
@@ -1217,6 +1274,14 @@ def main() -> int:
     relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
     if args.prestage_remix_digit_weight < 1:
         raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
+    first_until = parse_until("--prestage-first-until", args.prestage_first_until)
+    main_until = parse_until("--prestage-main-until", args.prestage_main_until)
+    unasked = sorted(set(first_until) - set(args.prestage_first_kinds.split(",")))
+    if unasked:
+        raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
+                         f"(--prestage-first-kinds {args.prestage_first_kinds})")
+    if args.prestage_retries < 0:
+        raise SystemExit(f"--prestage-retries: expected >= 0, got {args.prestage_retries}")
     binding_kinds = args.prestage_binding_kinds.split(",")
     digit_kinds = args.prestage_digit_kinds.split(",")
     for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),
@@ -1255,18 +1320,21 @@ def main() -> int:
             """decoder_prestage.pretrain on `stage` once per phase; the log entries of all phases."""
             entries = []
             attn_implementation = decoder.config._attn_implementation
+            log = lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)
             for i, phase in enumerate(phases):
-                options = {k: v for k, v in phase.items() if k not in ("sampler", "tags")}
+                options = {k: v for k, v in phase.items() if k not in ("sampler", "tags", "until")}
                 positions.tags_active = phase.get("tags", False)
                 # The route losses read attention probabilities: eager attention in their phase only,
                 # so that the other phases compute as without them.
                 routed = options.get("route_weight", 0) > 0 or options.get("count_route_weight", 0) > 0
                 decoder.set_attn_implementation("eager" if routed else attn_implementation)
-                entries += [{**e, "phase": i} if len(phases) > 1 else e for e in decoder_prestage.pretrain(
-                    decoder, positions, phase.get("sampler", sampler), word_id, batch=args.decoder_prestage_batch,
-                    lr=args.decoder_prestage_lr, comparator_layer=args.prestage_comparator_layer,
-                    count_weight=args.prestage_count_weight, route_layer=args.prestage_route_layer,
-                    log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True), **options)]
+                common = dict(batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr,
+                              comparator_layer=args.prestage_comparator_layer, count_weight=args.prestage_count_weight,
+                              route_layer=args.prestage_route_layer, log=log)
+                train_phase = lambda seed, options=options, phase=phase, common=common: decoder_prestage.pretrain(
+                    decoder, positions, phase.get("sampler", sampler), word_id, **{**common, **options, "seed": seed})
+                entries += [{**e, "phase": i} if len(phases) > 1 else e for e in gated_phase(
+                    train_phase, stage, options["seed"], phase.get("until"), args.prestage_retries, log)]
             decoder.set_attn_implementation(attn_implementation)
             positions.tags_active = bool(positions.tag_words)
             return entries
@@ -1274,7 +1342,8 @@ def main() -> int:
         late_sampler = sampler  # the phases after the digit phase (--prestage-binding-steps)
         binding_key = ""
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
-                       held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
+                       held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown,
+                       until=main_until)]
         if relation_phases:
             # Relation alone once the full mix has formed the routing, then the mix again (see
             # --prestage-relation-schedule); a relation step costs ~0.3 s.
@@ -1357,10 +1426,17 @@ def main() -> int:
             # session-12 form for the kinds of that recipe.
             phases.insert(0, dict(steps=args.prestage_position_first, seed=args.seed + 4,
                                   held=min(512, 16 * args.prestage_position_first),
-                                  kinds=args.prestage_first_kinds.split(",")))
+                                  kinds=args.prestage_first_kinds.split(","), until=first_until,
+                                  lr=args.prestage_first_lr or args.decoder_prestage_lr))
             prestage_key += f"-posfirst{args.prestage_position_first}"
             if args.prestage_first_kinds != "size,position":
                 prestage_key += "-" + args.prestage_first_kinds.replace(",", "+")
+            if args.prestage_first_lr:
+                prestage_key += f"-firstlr{args.prestage_first_lr}"
+            if first_until:
+                prestage_key += f"-firstuntil{args.prestage_first_until}-{args.prestage_retries}"
+        if main_until:
+            prestage_key += f"-mainuntil{args.prestage_main_until}-{args.prestage_retries}"
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
                                     lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate

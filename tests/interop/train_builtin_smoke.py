@@ -32,6 +32,8 @@ readout losses) and checks that
     such calibration scene's box centres lie within the sampler's range, the sampler's left box is
     always left of its right box, and its questions answer "left box" / "right box" accordingly,
   - --vision-early-shape-layer trains and reports its early shape head in the first stage's log,
+  - a pre-stage phase gate (--prestage-first-until) met on the first try changes nothing, and one
+    never met starts the phase over from its starting weights --prestage-retries times,
   - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists),
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
     the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
@@ -476,6 +478,55 @@ def frozen_positions(steps: int = 3) -> list[str]:
     return out
 
 
+def phase_gate(steps: int = 3) -> list[str]:
+    """train_builtin.gated_phase (--prestage-first-until, --prestage-main-until): a gate met on the
+    first try computes exactly as no gate; one never met starts the phase over `retries` times from
+    the weights it started from, and the last try ends with the weights of that try's draws run
+    from that start alone."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import decoder_prestage as dp
+    import train_builtin as tb
+    from transformers import LlamaConfig, LlamaModel
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS)
+    rng, drawn = np.random.default_rng(0), set()
+    for _ in range(2000):
+        scene, _, q, a = sampler.sample(rng, ["size"])
+        drawn.update((q + " " + a).split(), *(w for _, w in dp.item_words(scene)))
+    word_id = {w: i for i, w in enumerate(dict.fromkeys(["<pad>", "<s>", "</s>", "USER:", "ASSISTANT:"]
+                                                        + sorted(drawn)))}
+
+    def run(seed: int, until: dict[str, float] | None, retries: int = 2) -> tuple[torch.Tensor, list[dict], list[str]]:
+        torch.manual_seed(0)
+        lm = LlamaModel(LlamaConfig(vocab_size=len(word_id), hidden_size=32, intermediate_size=64,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    tie_word_embeddings=True))
+        positions = dp.PositionTable(32)
+        stage = torch.nn.ModuleDict({"decoder": lm, "positions": positions})
+        lines: list[str] = []
+        train_phase = lambda s: dp.pretrain(lm, positions, sampler, word_id, steps=steps, batch=4, kinds=["size"],
+                                            held=8, seed=s, log=lambda *_: None)
+        entries = tb.gated_phase(train_phase, stage, seed, until, retries, log=lines.append)
+        return torch.cat([p.detach().flatten() for p in stage.parameters()]), entries, lines
+
+    out = []
+    plain, plain_log, _ = run(5, None)
+    met, met_log, met_lines = run(5, {"size": 0.0})
+    if not torch.equal(plain, met) or len(met_log) != len(plain_log) or met_lines:
+        out.append("gated_phase: a gate met on the first try changed the phase")
+    unmet, unmet_log, unmet_lines = run(5, {"size": 1.01})
+    last_alone, _, _ = run(2005, None)
+    tries = sorted({e["try"] for e in unmet_log})
+    if tries != [0, 1, 2] or len(unmet_lines) != 3 or not torch.equal(unmet, last_alone):
+        out.append(f"gated_phase: a gate never met ran tries {tries} and logged {len(unmet_lines)} lines (expected "
+                   "[0, 1, 2] and 3), and its weights are "
+                   + ("those" if torch.equal(unmet, last_alone) else "not those") + " of the last try's draws alone")
+    if torch.equal(unmet, plain):
+        out.append("gated_phase: the tries after the first drew as the first")
+    return out
+
+
 def checkpoint_dtypes(model: Path) -> list[str]:
     """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
     from safetensors import safe_open
@@ -784,6 +835,7 @@ def main() -> int:
         failures += item_tag_parity(work / "calib.h5")
         failures += tag_phase_determinism()
         failures += frozen_positions()
+        failures += phase_gate()
         failures += digit_augment_parity(work / "calib.h5")
         failures += generator_boxes_parity(work / "calib.h5")
 
