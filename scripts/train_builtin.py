@@ -748,7 +748,7 @@ def parse_until(option: str, text: str) -> dict[str, float]:
 
 def gated_phase(train_phase, stage: torch.nn.Module, seed: int, until: dict[str, float] | None, retries: int,
                 log=print) -> list[dict]:
-    """train_phase(seed) -> its log entries, under a gate (--prestage-first-until, --prestage-main-until).
+    """train_phase(seed) -> its log entries, under a gate (--prestage-first-until).
 
     When a kind of `until` ends the phase below its held-out accuracy, the phase starts over from
     the weights `stage` had before it, on the draws of seed + 1000 * k (k = 1.. `retries`); the
@@ -1055,8 +1055,6 @@ def main() -> int:
                     help="gate on the --prestage-position-first phase, KIND=ACCURACY,...: when a listed kind's "
                          "held-out accuracy ends below its figure, the phase starts over from the weights it "
                          "started from, on other draws (at most --prestage-retries times); empty = no gate")
-    ap.add_argument("--prestage-main-until", default="",
-                    help="the same gate on the pre-stage's main mix (--decoder-prestage-steps)")
     ap.add_argument("--prestage-retries", type=int, default=2,
                     help="the most times a gated phase starts over")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
@@ -1284,7 +1282,6 @@ def main() -> int:
     if args.prestage_remix_digit_weight < 1:
         raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
     first_until = parse_until("--prestage-first-until", args.prestage_first_until)
-    main_until = parse_until("--prestage-main-until", args.prestage_main_until)
     unasked = sorted(set(first_until) - set(args.prestage_first_kinds.split(",")))
     if unasked:
         raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
@@ -1332,6 +1329,9 @@ def main() -> int:
             entries = []
             attn_implementation = decoder.config._attn_implementation
             log = lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)
+            common = dict(batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr,
+                          comparator_layer=args.prestage_comparator_layer, count_weight=args.prestage_count_weight,
+                          route_layer=args.prestage_route_layer, log=log)
             for i, phase in enumerate(phases):
                 options = {k: v for k, v in phase.items() if k not in ("sampler", "tags", "until")}
                 positions.tags_active = phase.get("tags", False)
@@ -1339,10 +1339,7 @@ def main() -> int:
                 # so that the other phases compute as without them.
                 routed = options.get("route_weight", 0) > 0 or options.get("count_route_weight", 0) > 0
                 decoder.set_attn_implementation("eager" if routed else attn_implementation)
-                common = dict(batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr,
-                              comparator_layer=args.prestage_comparator_layer, count_weight=args.prestage_count_weight,
-                              route_layer=args.prestage_route_layer, log=log)
-                train_phase = lambda seed, options=options, phase=phase, common=common: decoder_prestage.pretrain(
+                train_phase = lambda seed, options=options, phase=phase: decoder_prestage.pretrain(
                     decoder, positions, phase.get("sampler", sampler), word_id, **{**common, **options, "seed": seed})
                 entries += [{**e, "phase": i} if len(phases) > 1 else e for e in gated_phase(
                     train_phase, stage, options["seed"], phase.get("until"), args.prestage_retries, log)]
@@ -1353,8 +1350,7 @@ def main() -> int:
         late_sampler = sampler  # the phases after the digit phase (--prestage-binding-steps)
         binding_key = ""
         phases = [dict(steps=args.decoder_prestage_steps, seed=args.seed + 2,
-                       held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown,
-                       until=main_until)]
+                       held=min(1024, 16 * args.decoder_prestage_steps), cooldown=args.prestage_cooldown)]
         if relation_phases:
             # Relation alone once the full mix has formed the routing, then the mix again (see
             # --prestage-relation-schedule); a relation step costs ~0.3 s.
@@ -1446,8 +1442,6 @@ def main() -> int:
                 prestage_key += f"-firstlr{args.prestage_first_lr}"
             if first_until:
                 prestage_key += f"-firstuntil{args.prestage_first_until}-{args.prestage_retries}"
-        if main_until:
-            prestage_key += f"-mainuntil{args.prestage_main_until}-{args.prestage_retries}"
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
                                     lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate

@@ -479,7 +479,7 @@ def frozen_positions(steps: int = 3) -> list[str]:
 
 
 def phase_gate(steps: int = 3) -> list[str]:
-    """train_builtin.gated_phase (--prestage-first-until, --prestage-main-until): a gate met on the
+    """train_builtin.gated_phase (--prestage-first-until): a gate met on the
     first try computes exactly as no gate; one never met starts the phase over `retries` times from
     the weights it started from, and the last try ends with the weights of that try's draws run
     from that start alone."""
