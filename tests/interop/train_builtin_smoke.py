@@ -34,7 +34,8 @@ readout losses) and checks that
   - --vision-early-shape-layer trains and reports its early shape head in the first stage's log,
   - a pre-stage phase gate (--prestage-first-until) met on the first try changes nothing, and one
     never met starts the phase over from its starting weights --prestage-retries times,
-  - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists),
+  - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists), and
+    --prestage-next-to-steps adds a phase,
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
     the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
   - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
@@ -78,6 +79,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
            "--prestage-remix-steps", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
+           "--prestage-next-to-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
            "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--joint-tower-lr-scale", "0.5"]
@@ -773,6 +775,11 @@ def main() -> int:
         if {"digit", "relation"} not in phase_kinds:
             failures.append(f"--prestage-digit-kinds digit,relation: no pre-stage phase drew exactly those kinds "
                             f"(phases drew {phase_kinds})")
+        # Eleven phases: position-first, main mix, binding (early), three relation, digit, remix, the two
+        # tag phases and --prestage-next-to-steps' phase last.
+        phases = sorted({e["phase"] for e in training.get("decoder_prestage_log", []) if "phase" in e})
+        if phases != list(range(11)):
+            failures.append(f"decoder pre-stage log: phases {phases}, expected 0..10 (the next-to phase last)")
         leftovers = [p.name for p in first.parent.iterdir() if p.name.startswith(".builtin-")]
         if leftovers:
             failures.append(f"temp dirs left next to --out: {leftovers}")
