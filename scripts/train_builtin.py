@@ -17,7 +17,7 @@ the closed vocabulary the C++ generator reports (`vlmopt datasets vocab`).
 Three stages, the LLaVA recipe turned around for a model with no pretrained parts
 (docs/BENCHMARKS.md, builtin model, sessions 10-15):
 
-1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 350 + 150 + 250 steps): the decoder
+1. decoder pre-stage (scripts/decoder_prestage.py, 500 + 750 + 350 + 300 + 150 + 600 steps): the decoder
    alone on symbolic scenes, each object one token made of its words' embeddings plus its
    side in word-embedding space. This is where it learns to route a question to the
    object it names, which it did not learn from images within any CPU budget tried.
@@ -41,15 +41,22 @@ Three stages, the LLaVA recipe turned around for a model with no pretrained part
    AMD hosts it took 300 steps (session 23), the relation draws keep relation through them (0.57 ->
    0.93 at the pre-stage's end) and the generator's layout lets the routing transfer to images
    (left/right 50-56 of 78 right instead of 26-36; session 30: digits 0.560 -> 0.680 on images).
-   Then 250 full-mix steps again for the kinds the relation phases set back, the probe on
-   at a fifth of its weight so that the mix keeps the comparisons. Count questions
-   come on the generator's count layouts (zero..five uniform).
-   With --count-tags (session 25, the shipped model; on by default), two more phases with every object's
-   count tag on its token (decoder_prestage.TAGS: the number words of the objects of its colour
-   and of its shape, each under a fixed rotation), 150 count-only and 150 full-mix steps: a count
+   Count questions come on the generator's count layouts (zero..five uniform).
+   With --count-tags (session 25, the shipped model; on by default), every object's
+   count tag goes on its token (decoder_prestage.TAGS: the number words of the objects of its colour
+   and of its shape, each under a fixed rotation) from here on, and 150 count-only steps follow: a count
    question becomes a lookup and the vision stage learns the counting (count 0.54 -> 0.75 on
    images, 0.8520 -> 0.871 overall, on an AMD host where the digits' two-box form did not form;
-   0.656-0.688 in every run since, so 0.75 was likely a lucky draw);
+   0.656-0.688 in every run since, so 0.75 was likely a lucky draw).
+   Last, 600 full-mix steps (--prestage-next-to-steps) whose scenes also hold the "which digit is
+   next to the X ?" layout, digit questions three times as often as each other kind, the relation
+   probe at a fifth of its weight so that the mix keeps the comparisons, and a loss on one head's
+   attention from the answer position to the asked box (--prestage-next-to-route-weight): that
+   two-hop lookup formed in no earlier phase or mix (0.006-0.06 on symbolic scenes), and formed
+   with the loss (0.92; without it 0.52, a coin between the two boxes); on images next to went
+   from 22 to 38 of 61 (seed 0) and from 18 to 40 (seed 1; session 39). This phase took the place
+   of the two full-mix phases that came after the relation and the count-tag phases (250 and 150
+   steps: --prestage-remix-steps, --count-tag-remix-steps), which kept the recipe within 30 minutes;
 2. vision stage (2000 steps, on all 50000 training scenes, --vision-pack: 2883 distinct training
    digits and 6250 count scenes; on the first 28800 the tower memorised its 2551 digits and 3592 count
    scenes, held-out digit 0.87 and count_shape 0.75 against 0.93 and 0.91, session 35): the tower on
@@ -132,6 +139,11 @@ the vision stage's pack already in --work (session 19).
 - Session 38's recipe (that one with the first pre-stage phase at 5e-4) scored 0.9015 and took 28.3 min on session
   38's AMD EPYC host, alone, with the packs already in --work (1695 s: pre-stage ~530 s, vision stage 845 s, joint
   stage 293 s); packing them took ~45 s in session 35's fresh run. Not re-run fresh.
+- Session 39's recipe (the next-to phase in place of the two remixes) scored 0.9245 and took 30.6 min on session
+  39's AMD EPYC host, alone, with the packs already in --work (1833 s: pre-stage phases 651 s, vision stage 844 s,
+  joint stage ~295 s): over the 30-minute limit. The phases it shares with session 38's recipe ran 8-25 % slower
+  than there (first phase 122 s vs 113 s, digit phase 80 s vs 63 s); at session 38's speed the pre-stage would take
+  ~605 s and the run ~29.8 min, ~30.5 min fresh. Not re-run fresh.
 
 Writes the checkpoint atomically (temp dir + rename).
 """
@@ -947,9 +959,10 @@ def main() -> int:
     ap.add_argument("--count-tag-steps", type=int, default=150,
                     help="with --count-tags / --digit-tags: pre-stage steps of the questions they serve alone with "
                          "the tags on, after the other phases")
-    ap.add_argument("--count-tag-remix-steps", type=int, default=150,
-                    help="with --count-tags / --digit-tags: then pre-stage steps of the full mix with the tags on")
-    ap.add_argument("--prestage-next-to-steps", type=int, default=0,
+    ap.add_argument("--count-tag-remix-steps", type=int, default=0,
+                    help="with --count-tags / --digit-tags: then pre-stage steps of the full mix with the tags on "
+                         "(150 until session 39; --prestage-next-to-steps' full mix took its place)")
+    ap.add_argument("--prestage-next-to-steps", type=int, default=600,
                     help="a last pre-stage phase of N steps on scenes that also hold the \"which digit is next to "
                          "the X ?\" layout (SymbolicScenes.next_to_scene), digit questions drawn three times as "
                          "often as each other kind, with --prestage-next-to-route-weight's loss on the attention "
@@ -1086,8 +1099,9 @@ def main() -> int:
                          "reached 0.92 in 300 (session 17); with the four words evenly the vertical comparison "
                          "formed and the horizontal one did not (eval: left of / right of 0.50-0.52), while "
                          "h150,v100,all100 formed both (0.88-0.94 per word on symbolic scenes; session 18)")
-    ap.add_argument("--prestage-remix-steps", type=int, default=250,
-                    help="full-mix steps after the relation phases, for the kinds they set back")
+    ap.add_argument("--prestage-remix-steps", type=int, default=0,
+                    help="full-mix steps after the relation phases, for the kinds they set back (250 until "
+                         "session 39; --prestage-next-to-steps' full mix, with the same probe, took its place)")
     ap.add_argument("--prestage-remix-digit-weight", type=int, default=1,
                     help="in the remix, digit questions are drawn this many times as often as each other kind "
                          "(1 = evenly): evenly, the two-box form (\"which digit is in the left box ?\") stayed at "
