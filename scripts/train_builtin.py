@@ -143,7 +143,7 @@ the vision stage's pack already in --work (session 19).
   39's AMD EPYC host, alone, with the packs already in --work (1833 s: pre-stage phases 651 s, vision stage 844 s,
   joint stage ~295 s): over the 30-minute limit. The phases it shares with session 38's recipe ran 8-25 % slower
   than there (first phase 122 s vs 113 s, digit phase 80 s vs 63 s); at session 38's speed the pre-stage would take
-  ~605 s and the run ~29.8 min, ~30.5 min fresh. Not re-run fresh.
+  ~605 s and the run ~29.8 min. Fresh (packing included, alone): 31.1 min (1864 s), the same weights.
 
 Writes the checkpoint atomically (temp dir + rename).
 """
