@@ -24,6 +24,7 @@ APT_PACKAGES=(
   libcli11-dev nlohmann-json3-dev libhdf5-dev libopencv-dev libfmt-dev libspdlog-dev
   doctest-dev libssl-dev libicu-dev chromium
   opencv-doc            # the real handwritten digits image (digits.png) and sample photos
+  libtcmalloc-minimal4  # scripts/train_builtin.py preloads it: ~20 % faster training, the same weights
 )
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -144,6 +144,9 @@ the vision stage's pack already in --work (session 19).
   joint stage ~295 s): over the 30-minute limit. The phases it shares with session 38's recipe ran 8-25 % slower
   than there (first phase 122 s vs 113 s, digit phase 80 s vs 63 s); at session 38's speed the pre-stage would take
   ~605 s and the run ~29.8 min. Fresh (packing included, alone): 31.1 min (1864 s), the same weights.
+- The same recipe under tcmalloc (--allocator, default since session 40) and with the vision stage's held-out
+  check every 500 steps instead of 100: 26.3 min fresh and alone on session 40's AMD EPYC host (1579 s: pre-stage
+  phases ~585 s, vision stage 732 s, joint stage 220 s), the same weights byte for byte (sha256 33aef159...).
 
 Writes the checkpoint atomically (temp dir + rename).
 """
@@ -161,6 +164,48 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# tcmalloc's shared library (Debian's libtcmalloc-minimal4, which scripts/setup.sh installs).
+TCMALLOC_LIBRARY = "libtcmalloc_minimal.so.4"
+ALLOCATOR = "system"  # what this process runs on: "tcmalloc" once preload_tcmalloc has re-executed it
+
+
+def preload_tcmalloc() -> None:
+    """Re-executes this script with tcmalloc preloaded, before torch is imported (--allocator tcmalloc).
+
+    Why: under tcmalloc a short run took 20-25 % less time on the 2-core AMD EPYC host (150 vision + 26
+    joint steps, scripts/bench/train_allocator.sh: 87-91 s against 114-119 s; jemalloc 163-177 s), and the
+    full recipe 26.3 min instead of 31.1, with the weights byte for byte the same: an allocator changes
+    where tensors live, not the arithmetic (torch aligns every CPU tensor to 64 bytes under either).
+    Likely cause: glibc hands the steps' multi-megabyte buffers back to the kernel, which faults them
+    in again every step; raising glibc's mmap and trim thresholds (GLIBC_TUNABLES) won back half of it."""
+    if os.environ.get("VLMOPT_TRAIN_PRELOADED") is not None:
+        # The re-executed process: its children (the vlmopt binary) get the caller's LD_PRELOAD back.
+        global ALLOCATOR
+        ALLOCATOR = "tcmalloc"
+        was = os.environ.pop("VLMOPT_TRAIN_PRELOADED")
+        if was:
+            os.environ["LD_PRELOAD"] = was
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+        return
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc")
+    if pre.parse_known_args()[0].allocator != "tcmalloc":
+        return
+    import ctypes.util
+    if ctypes.util.find_library("tcmalloc_minimal") != TCMALLOC_LIBRARY:  # the loader's cache (ldconfig -p)
+        print(f"[train] warning: {TCMALLOC_LIBRARY} not found (Debian: libtcmalloc-minimal4); training with the "
+              "system allocator, ~20 % slower, the same weights", file=sys.stderr, flush=True)
+        return
+    was = os.environ.get("LD_PRELOAD", "")
+    env = dict(os.environ, VLMOPT_TRAIN_PRELOADED=was,
+               LD_PRELOAD=f"{TCMALLOC_LIBRARY} {was}".strip())
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+if __name__ == "__main__":
+    preload_tcmalloc()
 
 import h5py
 import safetensors.torch
@@ -692,7 +737,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
             with torch.no_grad():
                 decay = min(args.vision_ema, (1 + step) / (10 + step))
                 torch._foreach_lerp_(ema, live_weights, 1.0 - decay)
-        if step % 100 == 0 or step == args.vision_steps - 1:  # a check costs ~1 s (256 images)
+        if step % args.vision_check_every == 0 or step == args.vision_steps - 1:
             held_accs = held_out_accuracies()
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
                      **{k: round(float(losses[k].detach()), 4) for k in ("align", "readout") if k in losses},
@@ -934,6 +979,9 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
+                    help="tcmalloc: re-run this script with tcmalloc preloaded (preload_tcmalloc: ~20 %% faster, "
+                         "the same weights); system: the C library's malloc")
     ap.add_argument("--attention", choices=["sdpa", "eager"], default="eager",
                     help="attention kernels while training (the checkpoint's config is the same either way). "
                          "eager (matmul, softmax, matmul) steps the vision tower faster than sdpa's CPU "
@@ -996,6 +1044,10 @@ def main() -> int:
     ap.add_argument("--vision-objective", choices=["pooled", "patch"], default="pooled",
                     help="vision-tower auxiliary loss (first stage and joint stage): per object/box on the mean of "
                          "its patch features (shipped), or per patch (the 900-step model's recipe, 16e7112)")
+    ap.add_argument("--vision-check-every", type=int, default=500,
+                    help="the vision stage's held-out check (256 scenes, float32 forward: ~3.8 s on the 2-core "
+                         "AMD EPYC host) every N steps and at its last step; it trains nothing, so the weights "
+                         "are the same at any N (every 100 until session 40: 21 checks, ~80 s)")
     ap.add_argument("--vision-batch", type=int, default=64)
     ap.add_argument("--vision-lr", type=float, default=3e-3)
     ap.add_argument("--prestage-generator-boxes", action=argparse.BooleanOptionalAction, default=True,
@@ -1686,7 +1738,7 @@ def main() -> int:
     image_processor.save_pretrained(tmp)
     (tmp / "vlmopt_training.json").write_text(json.dumps({
         "script": "scripts/train_builtin.py", "args": vars(args), "steps": step, "train_seconds": round(train_seconds, 1),
-        "parameters": n_params, "prompt_template": PROMPT_TEMPLATE, "calib_first_token_accuracy": acc,
+        "parameters": n_params, "allocator": ALLOCATOR, "prompt_template": PROMPT_TEMPLATE, "calib_first_token_accuracy": acc,
         "calib_by_type": by_type, "vision_log": vision_log, "decoder_prestage_log": prestage_log, "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "log": log}, indent=1) + "\n")
     if out.exists():

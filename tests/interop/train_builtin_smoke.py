@@ -65,7 +65,7 @@ SHAPES = ["circle", "square", "triangle", "star", "cross"]
 COLORS = ["red", "green", "blue", "yellow", "orange", "purple"]
 
 
-def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
+def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(REPO_ROOT / "scripts" / "train_builtin.py"), "--vlmopt", vlmopt, "--out", str(out),
            "--work", str(work), "--steps", str(STEPS), "--batch", str(BATCH), "--threads", "1",
            "--vision-steps", "2", "--vision-batch", "4", "--vision-objective", "pooled", "--eval-every", "1000",
@@ -82,7 +82,7 @@ def train(vlmopt: str, out: Path, work: Path) -> subprocess.CompletedProcess:
            "--prestage-next-to-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
-           "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--joint-tower-lr-scale", "0.5"]
+           "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--joint-tower-lr-scale", "0.5", *extra]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -759,6 +759,12 @@ def main() -> int:
         training = json.loads((first / "vlmopt_training.json").read_text())
         if training.get("steps") != STEPS:
             failures.append(f"vlmopt_training.json steps: expected {STEPS}, got {training.get('steps')}")
+        # The default --allocator tcmalloc re-executes the script with tcmalloc preloaded where it is installed.
+        import ctypes.util
+        expected_allocator = "tcmalloc" if ctypes.util.find_library("tcmalloc_minimal") else "system"
+        if training.get("allocator") != expected_allocator:
+            failures.append(f"vlmopt_training.json allocator: expected {expected_allocator}, got "
+                            f"{training.get('allocator')}")
         if len(training.get("vision_log", [])) == 0:
             failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
         elif "early_shape" not in training["vision_log"][-1].get("heldout_pooled_acc", {}):
@@ -820,13 +826,16 @@ def main() -> int:
         for vision_cache in work.glob("vision-pooled-*.safetensors"):
             vision_cache.unlink()
         third = tmp / "third"
-        run3 = train(vlmopt, third, work)
+        run3 = train(vlmopt, third, work, "--allocator", "system")  # the same weights under glibc's malloc
         if run3.returncode != 0:
             failures.append(f"third run exited {run3.returncode}: {run3.stderr.strip().splitlines()[-1:]}")
         elif "decoder pre-stage from" not in run3.stderr or "first stage from" in run3.stderr:
             failures.append("third run: expected the pre-stage from the cache and the vision stage trained")
         elif sha256(first / "model.safetensors") != sha256(third / "model.safetensors"):
-            failures.append("pre-stage from the cache, vision stage trained: different weights than the fresh run")
+            failures.append("pre-stage from the cache, vision stage trained under --allocator system: different "
+                            "weights than the fresh run")
+        elif json.loads((third / "vlmopt_training.json").read_text()).get("allocator") != "system":
+            failures.append("third run: vlmopt_training.json allocator is not 'system' under --allocator system")
 
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
