@@ -167,7 +167,14 @@ from pathlib import Path
 
 # tcmalloc's shared library (Debian's libtcmalloc-minimal4, which scripts/setup.sh installs).
 TCMALLOC_LIBRARY = "libtcmalloc_minimal.so.4"
+ALLOCATORS = ("tcmalloc", "system")  # --allocator's choices, the first the default
 ALLOCATOR = "system"  # what this process runs on: "tcmalloc" once preload_tcmalloc has re-executed it
+
+
+def tcmalloc_installed() -> bool:
+    """Whether the dynamic loader's cache (ldconfig -p) holds TCMALLOC_LIBRARY."""
+    import ctypes.util
+    return ctypes.util.find_library("tcmalloc_minimal") == TCMALLOC_LIBRARY
 
 
 def preload_tcmalloc() -> None:
@@ -190,11 +197,10 @@ def preload_tcmalloc() -> None:
             os.environ.pop("LD_PRELOAD", None)
         return
     pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc")
+    pre.add_argument("--allocator", choices=ALLOCATORS, default=ALLOCATORS[0])
     if pre.parse_known_args()[0].allocator != "tcmalloc":
         return
-    import ctypes.util
-    if ctypes.util.find_library("tcmalloc_minimal") != TCMALLOC_LIBRARY:  # the loader's cache (ldconfig -p)
+    if not tcmalloc_installed():
         print(f"[train] warning: {TCMALLOC_LIBRARY} not found (Debian: libtcmalloc-minimal4); training with the "
               "system allocator, ~20 % slower, the same weights", file=sys.stderr, flush=True)
         return
@@ -979,7 +985,7 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
+    ap.add_argument("--allocator", choices=ALLOCATORS, default=ALLOCATORS[0],
                     help="tcmalloc: re-run this script with tcmalloc preloaded (preload_tcmalloc: ~20 %% faster, "
                          "the same weights); system: the C library's malloc")
     ap.add_argument("--attention", choices=["sdpa", "eager"], default="eager",

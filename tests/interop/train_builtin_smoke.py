@@ -760,8 +760,9 @@ def main() -> int:
         if training.get("steps") != STEPS:
             failures.append(f"vlmopt_training.json steps: expected {STEPS}, got {training.get('steps')}")
         # The default --allocator tcmalloc re-executes the script with tcmalloc preloaded where it is installed.
-        import ctypes.util
-        expected_allocator = "tcmalloc" if ctypes.util.find_library("tcmalloc_minimal") else "system"
+        sys.path.insert(0, str(REPO_ROOT / "scripts"))
+        import train_builtin as tb
+        expected_allocator = "tcmalloc" if tb.tcmalloc_installed() else "system"
         if training.get("allocator") != expected_allocator:
             failures.append(f"vlmopt_training.json allocator: expected {expected_allocator}, got "
                             f"{training.get('allocator')}")
