@@ -88,7 +88,10 @@ The vision and joint stages run their forward passes under bf16 autocast (--prec
 the weights, gradients, optimizer state and checkpoint stay float32): 18 % and 25 % faster
 on this host's AVX512-BF16 cores, at the same accuracy (session 19). The pre-stage stays
 float32: bf16 barely sped its short sequences up, and under the changed rounding its digit
-routing did not form.
+routing did not form. On a CPU without bfloat16 instructions (AVX2 only, e.g. AMD Zen 2) torch's
+bf16 matmuls are ~100x slower than fp32, so there the default --precision auto trains in fp32
+(resolve_precision; session 41): the weights then differ from the shipped ones, as they do on any
+other host.
 
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
@@ -854,8 +857,31 @@ def question_streams(pack: "Pack", question_scenes: dict[str, int], seed: int) -
     return streams
 
 
+PRECISIONS = ("auto", "fp32", "bf16")  # --precision's choices, the first the default
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 in hardware (AVX512-BF16 or AMX tiles), as torch detects it."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_precision(requested: str, native_bf16: bool) -> str:
+    """--precision auto -> bf16 where the CPU has bfloat16 instructions, fp32 where it has not.
+
+    Why: without them torch has no fast bfloat16 matmul on the CPU. On a 2-core AMD EPYC (Zen 2, AVX2 only) a
+    2048x256 @ 256x1024 matmul took 2363 ms in bf16 against 25 ms in fp32, one thread: bf16 autocast would
+    stall the vision stage there, while on the AVX512-BF16 hosts it is 18-25 % faster (session 19)."""
+    if requested == "auto":
+        return "bf16" if native_bf16 else "fp32"
+    if requested == "bf16" and not native_bf16:
+        print("[train] warning: --precision bf16 on a CPU without bfloat16 instructions (AVX512-BF16, AMX): "
+              "its matmuls run ~100x slower than fp32 here", file=sys.stderr, flush=True)
+    return requested
+
+
 def autocast(args):
-    """The training forward passes' autocast context (--precision)."""
+    """The training forward passes' autocast context (--precision, resolved)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16")
 
 
@@ -1028,10 +1054,12 @@ def main() -> int:
                          "without it the phase stopped at 0.52, a coin between the two boxes")
     ap.add_argument("--prestage-next-to-lr", type=float, default=5e-4,
                     help="learning rate of the --prestage-next-to-steps phase")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="bf16",
+    ap.add_argument("--precision", choices=PRECISIONS, default=PRECISIONS[0],
                     help="bf16: the vision and joint stages' forward passes and losses run under CPU autocast to "
                          "bfloat16 (weights, gradients and optimizer state stay float32, and so does the "
-                         "checkpoint); the decoder pre-stage always runs in float32")
+                         "checkpoint); the decoder pre-stage always runs in float32. auto: bf16 where the CPU has "
+                         "bfloat16 instructions (AVX512-BF16, AMX; the hosts the shipped model was trained on), "
+                         "fp32 elsewhere (see resolve_precision). The training record names the one used")
     ap.add_argument("--work", default=None, help="scratch dir for the packs (default: a temp dir)")
     ap.add_argument("--extra-turns", type=int, default=3,
                     help="question/answer turns derived from each training scene's layout, appended after its own")
@@ -1303,6 +1331,8 @@ def main() -> int:
         ap.error(f"--vision-ema: expected 0 (off) or a decay in (0, 1), got {args.vision_ema}")
     if args.joint_tower_lr_scale < 0.0:
         ap.error(f"--joint-tower-lr-scale: expected >= 0 (0 freezes the tower), got {args.joint_tower_lr_scale}")
+    args.precision = resolve_precision(args.precision, cpu_has_native_bf16())
+    print(f"[train] precision: {args.precision} (CPU bfloat16 instructions: {cpu_has_native_bf16()})", flush=True)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.set_num_threads(args.threads)

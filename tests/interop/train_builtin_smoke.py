@@ -766,6 +766,16 @@ def main() -> int:
         if training.get("allocator") != expected_allocator:
             failures.append(f"vlmopt_training.json allocator: expected {expected_allocator}, got "
                             f"{training.get('allocator')}")
+        # The default --precision auto resolves to bf16 only on a CPU with bfloat16 instructions.
+        for requested, native, expected in [("auto", True, "bf16"), ("auto", False, "fp32"), ("fp32", True, "fp32"),
+                                             ("bf16", True, "bf16")]:
+            if tb.resolve_precision(requested, native) != expected:
+                failures.append(f"resolve_precision({requested!r}, native_bf16={native}): expected {expected}, "
+                                f"got {tb.resolve_precision(requested, native)}")
+        expected_precision = "bf16" if tb.cpu_has_native_bf16() else "fp32"
+        if training.get("args", {}).get("precision") != expected_precision:
+            failures.append(f"vlmopt_training.json args.precision: expected {expected_precision} (--precision auto "
+                            f"here), got {training.get('args', {}).get('precision')}")
         if len(training.get("vision_log", [])) == 0:
             failures.append("vlmopt_training.json: no first-stage log although --vision-steps 2")
         elif "early_shape" not in training["vision_log"][-1].get("heldout_pooled_acc", {}):
