@@ -4,16 +4,17 @@
 Times one optimizer step (forward, backward, AdamW) of the shapes scripts/train_builtin.py trains,
 with the builtin model's configuration (train_builtin.make_config) and random weights and inputs:
 
-  * tower      the CLIP vision tower on a 64-image batch (the vision stage's --vision-batch), bf16 autocast
+  * tower      the CLIP vision tower on a 64-image batch (the vision stage's --vision-batch), under --precision
   * prestage   the LLaMA decoder on 64 symbolic scenes of ~24 tokens (the decoder pre-stage), fp32
   * joint      the LLaMA decoder on 32 sequences of 200 tokens, a quarter of them left-padded (the joint
-               stage's image tokens plus turns), bf16 autocast
+               stage's image tokens plus turns), under --precision
 
 for attention "sdpa" (PyTorch's scaled_dot_product_attention: its CPU flash-attention kernels) and "eager"
 (matmul, softmax, matmul). Each part runs `--warmup` untimed steps, then `--steps` timed ones; the
-median step is reported. CPU, --threads threads.
+median step is reported. CPU, --threads threads. --precision as train_builtin.py's: auto is bf16 autocast
+where the CPU has bfloat16 instructions and fp32 elsewhere.
 
-    scripts/bench/train_attention.py [--threads 2] [--steps 10] [--warmup 3] [--out results.json]
+    scripts/bench/train_attention.py [--threads 2] [--steps 10] [--warmup 3] [--precision auto] [--out results.json]
 """
 from __future__ import annotations
 
@@ -52,8 +53,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--precision", choices=train_builtin.PRECISIONS, default=train_builtin.PRECISIONS[0],
+                    help="the tower and joint parts' autocast, as train_builtin.py --precision")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    args.precision = train_builtin.resolve_precision(args.precision, train_builtin.cpu_has_native_bf16())
+    autocast = args.precision == "bf16"
     torch.set_num_threads(args.threads)
     config = train_builtin.make_config(67, 4, {"<s>": 2, "</s>": 3, "<pad>": 0})
     size = train_builtin.IMAGE_SIZE
@@ -71,9 +76,9 @@ def main() -> int:
         return lambda model: model(input_ids=ids, attention_mask=mask, labels=ids).loss
 
     parts = {
-        "tower": (lambda: CLIPVisionModel(config.vision_config), tower_loss, True),
+        "tower": (lambda: CLIPVisionModel(config.vision_config), tower_loss, autocast),
         "prestage": (lambda: LlamaForCausalLM(config.text_config), decoder_loss(64, 24), False),
-        "joint": (lambda: LlamaForCausalLM(config.text_config), decoder_loss(32, 200), True),
+        "joint": (lambda: LlamaForCausalLM(config.text_config), decoder_loss(32, 200), autocast),
     }
     results = {}
     for part, (build, make_loss, bf16) in parts.items():
@@ -87,7 +92,8 @@ def main() -> int:
         results[part] = row
         print(f"{part:9s} sdpa {row['sdpa']:.3f} s/step  eager {row['eager']:.3f} s/step  "
               f"eager/sdpa {row['eager_over_sdpa']:.2f}", flush=True)
-    report = {"results": results, "threads": args.threads, "steps": args.steps, "torch": torch.__version__,
+    report = {"results": results, "threads": args.threads, "steps": args.steps, "precision": args.precision,
+              "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "command": " ".join(sys.argv)}
     try:
         report["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
