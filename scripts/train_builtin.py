@@ -1333,8 +1333,9 @@ def main() -> int:
         ap.error(f"--vision-ema: expected 0 (off) or a decay in (0, 1), got {args.vision_ema}")
     if args.joint_tower_lr_scale < 0.0:
         ap.error(f"--joint-tower-lr-scale: expected >= 0 (0 freezes the tower), got {args.joint_tower_lr_scale}")
-    args.precision = resolve_precision(args.precision, cpu_has_native_bf16())
-    print(f"[train] precision: {args.precision} (CPU bfloat16 instructions: {cpu_has_native_bf16()})", flush=True)
+    native_bf16 = cpu_has_native_bf16()
+    args.precision = resolve_precision(args.precision, native_bf16)
+    print(f"[train] precision: {args.precision} (CPU bfloat16 instructions: {native_bf16})", flush=True)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.set_num_threads(args.threads)
