@@ -772,6 +772,23 @@ def main() -> int:
             if tb.resolve_precision(requested, native) != expected:
                 failures.append(f"resolve_precision({requested!r}, native_bf16={native}): expected {expected}, "
                                 f"got {tb.resolve_precision(requested, native)}")
+        # --digit-augment auto: off under bf16 (the shipped recipe), on under fp32; a number as given.
+        for requested, precision, expected in [("auto", "bf16", 0.0), ("auto", "fp32", tb.FP32_DIGIT_AUGMENT),
+                                               ("0", "fp32", 0.0), ("1.0", "bf16", 1.0)]:
+            if tb.resolve_digit_augment(requested, precision) != expected:
+                failures.append(f"resolve_digit_augment({requested!r}, {precision!r}): expected {expected}, "
+                                f"got {tb.resolve_digit_augment(requested, precision)}")
+        if not tb.FP32_DIGIT_AUGMENT > 0:
+            failures.append(f"FP32_DIGIT_AUGMENT: expected > 0, got {tb.FP32_DIGIT_AUGMENT}")
+        for bad in ("-0.5", "nan", "inf", "strong"):
+            try:
+                tb.resolve_digit_augment(bad, "fp32")
+                failures.append(f"resolve_digit_augment({bad!r}): accepted")
+            except ValueError:
+                pass
+        if training.get("args", {}).get("digit_augment") != 1.0:  # train() passes --digit-augment 1.0
+            failures.append(f"vlmopt_training.json args.digit_augment: expected 1.0, got "
+                            f"{training.get('args', {}).get('digit_augment')}")
         expected_precision = "bf16" if tb.cpu_has_native_bf16() else "fp32"
         if training.get("args", {}).get("precision") != expected_precision:
             failures.append(f"vlmopt_training.json args.precision: expected {expected_precision} (--precision auto "
