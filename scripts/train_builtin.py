@@ -899,7 +899,7 @@ def resolve_digit_augment(requested: str, precision: str) -> float:
     try:
         strength = float(requested)
     except ValueError:
-        raise ValueError(f"--digit-augment: expected auto or a strength >= 0, got {requested!r}") from None
+        strength = math.nan
     if not (math.isfinite(strength) and strength >= 0.0):
         raise ValueError(f"--digit-augment: expected auto or a strength >= 0, got {requested!r}")
     return strength
@@ -1359,12 +1359,12 @@ def main() -> int:
         ap.error(f"--joint-tower-lr-scale: expected >= 0 (0 freezes the tower), got {args.joint_tower_lr_scale}")
     native_bf16 = cpu_has_native_bf16()
     args.precision = resolve_precision(args.precision, native_bf16)
-    print(f"[train] precision: {args.precision} (CPU bfloat16 instructions: {native_bf16})", flush=True)
+    print(f"[train] precision: {args.precision} (CPU bfloat16 instructions: {native_bf16})", file=sys.stderr, flush=True)
     try:
         args.digit_augment = resolve_digit_augment(args.digit_augment, args.precision)
     except ValueError as e:
         ap.error(str(e))
-    print(f"[train] digit augmentation: {args.digit_augment}", flush=True)
+    print(f"[train] digit augmentation: {args.digit_augment}", file=sys.stderr, flush=True)
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.set_num_threads(args.threads)
