@@ -818,7 +818,7 @@ def parse_until(option: str, text: str) -> dict[str, float]:
 
 def gated_phase(train_phase, stage: torch.nn.Module, seed: int, until: dict[str, float] | None, retries: int,
                 log=print) -> list[dict]:
-    """train_phase(seed) -> its log entries, under a gate (--prestage-first-until).
+    """train_phase(seed) -> its log entries, under a gate (--prestage-first-until, --prestage-relation-until).
 
     When a kind of `until` ends the phase below its held-out accuracy, the phase starts over from
     the weights `stage` had before it, on the draws of seed + 1000 * k (k = 1.. `retries`); the
@@ -1192,6 +1192,13 @@ def main() -> int:
                     help="gate on the --prestage-position-first phase, KIND=ACCURACY,...: when a listed kind's "
                          "held-out accuracy ends below its figure, the phase starts over from the weights it "
                          "started from, on other draws (at most --prestage-retries times); empty = no gate")
+    ap.add_argument("--prestage-relation-until", default="",
+                    help="gate on each --prestage-relation-schedule phase, KIND=ACCURACY,... as for "
+                         "--prestage-first-until (empty = no gate). Seed 1's horizontal phase stalls under fp32 "
+                         "(0.42; relation 0.756 on images against the shipped model's 0.952). With relation=0.7 "
+                         "all three tries stalled (0.42-0.49) and the vertical phase after them too (0.47-0.50 "
+                         "against 0.87 without the gate): the stall comes from where the full mix left the "
+                         "decoder, not from the draws (session 43)")
     ap.add_argument("--prestage-retries", type=int, default=2,
                     help="the most times a gated phase starts over")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
@@ -1428,6 +1435,11 @@ def main() -> int:
     if args.prestage_remix_digit_weight < 1:
         raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
     first_until = parse_until("--prestage-first-until", args.prestage_first_until)
+    relation_until = parse_until("--prestage-relation-until", args.prestage_relation_until)
+    if relation_until and (set(relation_until) != {"relation"} or not relation_phases):
+        raise SystemExit("--prestage-relation-until: the relation phases ask relation only and there must be some "
+                         f"(--prestage-relation-schedule {args.prestage_relation_schedule!r}), got "
+                         f"{args.prestage_relation_until!r}")
     unasked = sorted(set(first_until) - set(args.prestage_first_kinds.split(",")))
     if unasked:
         raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
@@ -1504,7 +1516,8 @@ def main() -> int:
                 phases.append(dict(steps=steps, seed=args.seed + 6 + 10 * i, held=min(512, 16 * steps),
                                    kinds=["relation"], comparator_weight=args.prestage_comparator_weight,
                                    comparator_axis_weights=axis_weights,
-                                   sampler=dataclasses.replace(sampler, horizontal_share=share)))
+                                   sampler=dataclasses.replace(sampler, horizontal_share=share),
+                                   until=relation_until))
             if args.prestage_digit_steps > 0:
                 # Digit questions alone before the remix: the two-box form ("the left box") forms there
                 # and the remix keeps it (0.38 -> 0.85 at the pre-stage's end, session 22).
@@ -1600,6 +1613,8 @@ def main() -> int:
                 prestage_key += f"-firstlr{args.prestage_first_lr}"
             if first_until:
                 prestage_key += f"-firstuntil{args.prestage_first_until}-{args.prestage_retries}"
+        if relation_until:
+            prestage_key += f"-reluntil{args.prestage_relation_until}-{args.prestage_retries}"
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
                                     lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate

@@ -33,7 +33,8 @@ readout losses) and checks that
     always left of its right box, and its questions answer "left box" / "right box" accordingly,
   - --vision-early-shape-layer trains and reports its early shape head in the first stage's log,
   - a pre-stage phase gate (--prestage-first-until) met on the first try changes nothing, and one
-    never met starts the phase over from its starting weights --prestage-retries times,
+    never met starts the phase over from its starting weights --prestage-retries times;
+    --prestage-relation-until gates each relation phase,
   - --prestage-digit-kinds reaches the digit phase (one phase draws exactly the kinds it lists), and
     --prestage-next-to-steps adds a phase,
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
@@ -46,6 +47,7 @@ Exits 1 with one line per failure.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -77,7 +79,7 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--prestage-binding-early", "--prestage-binding-kinds", "color,color,exist,relation",
            "--prestage-binding-freeze-positions",
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
-           "--prestage-remix-steps", "1",
+           "--prestage-remix-steps", "1", "--prestage-relation-until", "relation=1.0", "--prestage-retries", "1",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--prestage-next-to-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
@@ -809,6 +811,14 @@ def main() -> int:
         if {"digit", "relation"} not in phase_kinds:
             failures.append(f"--prestage-digit-kinds digit,relation: no pre-stage phase drew exactly those kinds "
                             f"(phases drew {phase_kinds})")
+        # --prestage-relation-until relation=1.0 is never met in one step: each relation phase runs twice.
+        relation_tries = collections.defaultdict(set)
+        for e in training.get("decoder_prestage_log", []):
+            if set(e.get("by_kind", {})) == {"relation"}:
+                relation_tries[e.get("phase")].add(e.get("try"))
+        if len(relation_tries) != 3 or any(tries != {0, 1} for tries in relation_tries.values()):
+            failures.append(f"--prestage-relation-until relation=1.0 --prestage-retries 1: relation phases ran tries "
+                            f"{dict(relation_tries)}, expected three phases with tries 0 and 1")
         # Eleven phases: position-first, main mix, binding (early), three relation, digit, remix, the two
         # tag phases and --prestage-next-to-steps' phase last.
         phases = sorted({e["phase"] for e in training.get("decoder_prestage_log", []) if "phase" in e})
