@@ -1199,6 +1199,11 @@ def main() -> int:
                          "all three tries stalled (0.42-0.49) and the vertical phase after them too (0.47-0.50 "
                          "against 0.87 without the gate): the stall comes from where the full mix left the "
                          "decoder, not from the draws (session 43)")
+    ap.add_argument("--prestage-relation-lr", type=float, default=0.0,
+                    help="learning rate of the --prestage-relation-schedule phases (0 = --decoder-prestage-lr's). "
+                         "Seed 1's phases stall at 1e-3 under fp32 (0.42 / 0.87 / 0.71 on symbolic scenes) and form "
+                         "at 5e-4 (0.84 / 0.92 / 0.96; seed 0 at 1e-3: 0.87 / 0.92 / 0.95), as half the rate formed "
+                         "seed 2's first phase (session 43; not yet measured on images or under bf16)")
     ap.add_argument("--prestage-retries", type=int, default=2,
                     help="the most times a gated phase starts over")
     ap.add_argument("--prestage-next-to", action=argparse.BooleanOptionalAction, default=False,
@@ -1444,6 +1449,8 @@ def main() -> int:
     if unasked:
         raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
                          f"(--prestage-first-kinds {args.prestage_first_kinds})")
+    if args.prestage_relation_lr < 0:
+        raise SystemExit(f"--prestage-relation-lr: expected >= 0, got {args.prestage_relation_lr}")
     if args.prestage_first_lr < 0:
         raise SystemExit(f"--prestage-first-lr: expected >= 0, got {args.prestage_first_lr}")
     if args.prestage_retries < 0:
@@ -1517,7 +1524,7 @@ def main() -> int:
                                    kinds=["relation"], comparator_weight=args.prestage_comparator_weight,
                                    comparator_axis_weights=axis_weights,
                                    sampler=dataclasses.replace(sampler, horizontal_share=share),
-                                   until=relation_until))
+                                   until=relation_until, lr=args.prestage_relation_lr or args.decoder_prestage_lr))
             if args.prestage_digit_steps > 0:
                 # Digit questions alone before the remix: the two-box form ("the left box") forms there
                 # and the remix keeps it (0.38 -> 0.85 at the pre-stage's end, session 22).
@@ -1615,6 +1622,8 @@ def main() -> int:
                 prestage_key += f"-firstuntil{args.prestage_first_until}-{args.prestage_retries}"
         if relation_until:
             prestage_key += f"-reluntil{args.prestage_relation_until}-{args.prestage_retries}"
+        if args.prestage_relation_lr:
+            prestage_key += f"-rellr{args.prestage_relation_lr}"
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
                                     lambda: run_prestage(phases))
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate

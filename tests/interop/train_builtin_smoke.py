@@ -80,6 +80,7 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--prestage-binding-freeze-positions",
            "--prestage-relation-schedule", "h1,v1,all1", "--prestage-digit-steps", "1", "--prestage-binding-steps", "1",
            "--prestage-remix-steps", "1", "--prestage-relation-until", "relation=1.0", "--prestage-retries", "1",
+           "--prestage-relation-lr", "5e-4",
            "--count-tags", "--digit-tags", "--count-tag-steps", "1", "--count-tag-remix-steps", "1",
            "--prestage-next-to-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
