@@ -1377,6 +1377,36 @@ def main() -> int:
     except ValueError as e:
         ap.error(str(e))
     print(f"[train] digit augmentation: {args.digit_augment}", file=sys.stderr, flush=True)
+    # Every check on the arguments alone comes before any work (packing takes ~30 s).
+    if args.align_weight > 0 and args.decoder_prestage_steps <= 0:
+        raise SystemExit("--align-weight needs --decoder-prestage-steps > 0, the space it aligns to "
+                         "(pass --align-weight 0 without a pre-stage)")
+    relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
+    if args.prestage_remix_digit_weight < 1:
+        raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
+    first_until = parse_until("--prestage-first-until", args.prestage_first_until)
+    relation_until = parse_until("--prestage-relation-until", args.prestage_relation_until)
+    if relation_until and (set(relation_until) != {"relation"} or not relation_phases):
+        raise SystemExit("--prestage-relation-until: the relation phases ask relation only and there must be some "
+                         f"(--prestage-relation-schedule {args.prestage_relation_schedule!r}), got "
+                         f"{args.prestage_relation_until!r}")
+    unasked = sorted(set(first_until) - set(args.prestage_first_kinds.split(",")))
+    if unasked:
+        raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
+                         f"(--prestage-first-kinds {args.prestage_first_kinds})")
+    if args.prestage_relation_lr < 0:
+        raise SystemExit(f"--prestage-relation-lr: expected >= 0, got {args.prestage_relation_lr}")
+    if args.prestage_first_lr < 0:
+        raise SystemExit(f"--prestage-first-lr: expected >= 0, got {args.prestage_first_lr}")
+    if args.prestage_retries < 0:
+        raise SystemExit(f"--prestage-retries: expected >= 0, got {args.prestage_retries}")
+    binding_kinds = args.prestage_binding_kinds.split(",")
+    digit_kinds = args.prestage_digit_kinds.split(",")
+    for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),
+                           ("--prestage-binding-kinds", binding_kinds), ("--prestage-digit-kinds", digit_kinds)):
+        unknown = sorted(set(listed) - set(decoder_prestage.KINDS))
+        if unknown:
+            raise SystemExit(f"{option}: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
     torch.manual_seed(args.seed)
     np.random.seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -1433,35 +1463,6 @@ def main() -> int:
     shapes, colors = vocab_info["answers"]["shape"], vocab_info["answers"]["color"]
     word_id = tok.get_vocab()
     align, prestage_key = None, None
-    if args.align_weight > 0 and args.decoder_prestage_steps <= 0:
-        raise SystemExit("--align-weight needs --decoder-prestage-steps > 0, the space it aligns to "
-                         "(pass --align-weight 0 without a pre-stage)")
-    relation_phases = parse_relation_schedule(args.prestage_relation_schedule)  # a bad one fails before any work
-    if args.prestage_remix_digit_weight < 1:
-        raise SystemExit(f"--prestage-remix-digit-weight: expected >= 1, got {args.prestage_remix_digit_weight}")
-    first_until = parse_until("--prestage-first-until", args.prestage_first_until)
-    relation_until = parse_until("--prestage-relation-until", args.prestage_relation_until)
-    if relation_until and (set(relation_until) != {"relation"} or not relation_phases):
-        raise SystemExit("--prestage-relation-until: the relation phases ask relation only and there must be some "
-                         f"(--prestage-relation-schedule {args.prestage_relation_schedule!r}), got "
-                         f"{args.prestage_relation_until!r}")
-    unasked = sorted(set(first_until) - set(args.prestage_first_kinds.split(",")))
-    if unasked:
-        raise SystemExit(f"--prestage-first-until: the first phase does not ask {unasked} "
-                         f"(--prestage-first-kinds {args.prestage_first_kinds})")
-    if args.prestage_relation_lr < 0:
-        raise SystemExit(f"--prestage-relation-lr: expected >= 0, got {args.prestage_relation_lr}")
-    if args.prestage_first_lr < 0:
-        raise SystemExit(f"--prestage-first-lr: expected >= 0, got {args.prestage_first_lr}")
-    if args.prestage_retries < 0:
-        raise SystemExit(f"--prestage-retries: expected >= 0, got {args.prestage_retries}")
-    binding_kinds = args.prestage_binding_kinds.split(",")
-    digit_kinds = args.prestage_digit_kinds.split(",")
-    for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),
-                           ("--prestage-binding-kinds", binding_kinds), ("--prestage-digit-kinds", digit_kinds)):
-        unknown = sorted(set(listed) - set(decoder_prestage.KINDS))
-        if unknown:
-            raise SystemExit(f"{option}: unknown kinds {unknown} (expected some of {decoder_prestage.KINDS})")
     if args.decoder_prestage_steps > 0:
         decoder = model.model.language_model
         # Created whether or not the stage is cached: the torch RNG must advance the same either way.
