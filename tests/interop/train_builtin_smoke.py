@@ -39,6 +39,8 @@ readout losses) and checks that
     --prestage-next-to-steps adds a phase,
   - --digit-augment redraws the ink inside the digit boxes only (the box borders, the objects and
     the background stay byte for byte), keeps most of it inside the box, and strength 0 changes nothing,
+  - --vision-extra-boxes pastes donor boxes pixel for pixel into free spots (clear of objects and
+    boxes, inside the canvas), lists them in the scene, and changes nothing else,
   - the item tags (--count-tags, --digit-tags) answer the count and two-box digit questions they
     stand for, on calibration scenes and on the pre-stage's symbolic ones, and the tagged pre-stage
     steps are deterministic on 2 threads at the builtin decoder's size.
@@ -85,7 +87,8 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--prestage-next-to-steps", "1",
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
-           "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--joint-tower-lr-scale", "0.5", *extra]
+           "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--vision-extra-boxes", "1",
+           "--joint-tower-lr-scale", "0.5", *extra]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -716,6 +719,68 @@ def digit_augment_parity(calib_h5: Path) -> list[str]:
     return out[:5]
 
 
+def extra_boxes_parity(calib_h5: Path) -> list[str]:
+    """train_builtin.paste_extra_digit_boxes on the calibration pack's first scenes, donors from its digit scenes."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import copy
+    import numpy as np
+    import train_builtin as tb
+    pack = tb.Pack(calib_h5)
+    idx = np.arange(min(32, len(pack)))
+    imgs, *_ = pack.batch(idx)
+    scenes = pack.scenes(idx)
+    donor_idx = tb.digit_scene_indices(pack)[:48]
+    if len(donor_idx) == 0:
+        return ["extra boxes: the calibration pack has no digit scene to draw from"]
+    donor_imgs, _, _, _ = pack.batch(donor_idx)
+    donors = [(donor_imgs[i], sc["digits"][-1]) for i, sc in enumerate(pack.scenes(donor_idx))]
+    imgs_before, scenes_before = imgs.copy(), copy.deepcopy(scenes)
+    out = []
+    same, same_scenes = tb.paste_extra_digit_boxes(imgs, scenes, donors, np.random.default_rng(0), 0)
+    if not np.array_equal(same, imgs) or same_scenes != scenes:
+        out.append("extra boxes: 0 per scene changed a scene")
+    pasted, new_scenes = tb.paste_extra_digit_boxes(imgs, scenes, donors, np.random.default_rng(0), 2)
+    if not np.array_equal(imgs, imgs_before) or scenes != scenes_before:
+        out.append("extra boxes: the given images or scenes were changed in place")
+    covered = np.zeros(imgs.shape[:3], dtype=bool)
+    added = 0
+    canvas = imgs.shape[1]
+    donor_pixels = {(d["sheet_index"], d["x"], d["y"]): img[d["y"]:d["y"] + d["side"], d["x"]:d["x"] + d["side"]]
+                    for img, d in donors}
+    for b, (old, new) in enumerate(zip(scenes, new_scenes)):
+        kept = old.get("digits", [])
+        if new["digits"][:len(kept)] != kept or new.get("objects") != old.get("objects"):
+            out.append(f"extra boxes: scene {b}'s own boxes or objects changed")
+        extra = new["digits"][len(kept):]
+        added += len(extra)
+        if len(extra) > 2:
+            out.append(f"extra boxes: scene {b} got {len(extra)} boxes, expected at most 2")
+        for j, d in enumerate(extra):
+            x, y, side = d["x"], d["y"], d["side"]
+            if x < 0 or y < 0 or x + side > canvas or y + side > canvas:
+                out.append(f"extra boxes: scene {b}'s box at ({x}, {y}) side {side} leaves the canvas")
+                continue
+            covered[b, y:y + side, x:x + side] = True
+            match = [px for (si, dx, dy), px in donor_pixels.items() if si == d["sheet_index"]
+                     and np.array_equal(px, pasted[b, y:y + side, x:x + side])]
+            if not match:
+                out.append(f"extra boxes: scene {b}'s box {j} is not a donor box's pixels")
+            for o in old.get("objects", []):
+                gap = max(x - o["cx"] - o["radius"], o["cx"] - o["radius"] - x - side,
+                          y - o["cy"] - o["radius"], o["cy"] - o["radius"] - y - side)
+                if gap <= 8:  # scene_from_meta reads a box this close as beside the object ("next to")
+                    out.append(f"extra boxes: scene {b}'s box {j} is {gap:.1f} px from an object")
+            for k, e in enumerate(new["digits"]):
+                if k != len(kept) + j and not (x + side <= e["x"] or e["x"] + e["side"] <= x or
+                                                y + side <= e["y"] or e["y"] + e["side"] <= y):
+                    out.append(f"extra boxes: scene {b}'s box {j} overlaps box {k}")
+    if not np.array_equal(pasted[~covered], imgs[~covered]):
+        out.append("extra boxes: pixels outside the pasted boxes changed")
+    if added < len(idx) // 2:
+        out.append(f"extra boxes: {added} boxes pasted into {len(idx)} scenes, expected at least {len(idx) // 2}")
+    return out[:5]
+
+
 def vision_tap_parity(model_dir: Path) -> list[str]:
     """train_builtin.VisionTap skips the tower's unused last layer while training: the projector's
     input must stay the same tensor, and restore() must bring the layer back."""
@@ -878,6 +943,7 @@ def main() -> int:
 
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
+        failures += extra_boxes_parity(work / "calib.h5")
         failures += centre_item_parity(work / "calib.h5")
         failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
