@@ -840,20 +840,27 @@ def main() -> int:
             if tb.resolve_precision(requested, native) != expected:
                 failures.append(f"resolve_precision({requested!r}, native_bf16={native}): expected {expected}, "
                                 f"got {tb.resolve_precision(requested, native)}")
-        # --digit-augment auto: off under bf16 (the shipped recipe), on under fp32; a number as given.
-        for requested, precision, expected in [("auto", "bf16", 0.0), ("auto", "fp32", tb.FP32_DIGIT_AUGMENT),
-                                               ("0", "fp32", 0.0), ("1.0", "bf16", 1.0)]:
-            if tb.resolve_digit_augment(requested, precision) != expected:
-                failures.append(f"resolve_digit_augment({requested!r}, {precision!r}): expected {expected}, "
-                                f"got {tb.resolve_digit_augment(requested, precision)}")
-        if not tb.FP32_DIGIT_AUGMENT > 0:
-            failures.append(f"FP32_DIGIT_AUGMENT: expected > 0, got {tb.FP32_DIGIT_AUGMENT}")
-        for bad in ("-0.5", "nan", "inf", "strong"):
-            try:
-                tb.resolve_digit_augment(bad, "fp32")
-                failures.append(f"resolve_digit_augment({bad!r}): accepted")
-            except ValueError:
-                pass
+        # The fp32-only options' auto: off under bf16 (the bf16 hosts' recipe), on under fp32; a number as given.
+        for option in ("--digit-augment", "--prestage-relation-lr", "--vision-extra-boxes"):
+            fp32_value = tb.FP32_AUTO[option]
+            if not fp32_value > 0:
+                failures.append(f"FP32_AUTO[{option!r}]: expected > 0, got {fp32_value}")
+            for requested, precision, expected in [("auto", "bf16", 0.0), ("auto", "fp32", fp32_value),
+                                                   ("0", "fp32", 0.0), ("3", "bf16", 3.0)]:
+                got = tb.resolve_auto(option, requested, precision)
+                if got != expected:
+                    failures.append(f"resolve_auto({option!r}, {requested!r}, {precision!r}): expected {expected}, "
+                                    f"got {got}")
+            for bad in ("-0.5", "nan", "inf", "strong") + (("1.5",) if option == "--vision-extra-boxes" else ()):
+                try:
+                    tb.resolve_auto(option, bad, "fp32")
+                    failures.append(f"resolve_auto({option!r}, {bad!r}): accepted")
+                except ValueError:
+                    pass
+        recorded = training.get("args", {})
+        for key, expected in (("prestage_relation_lr", 5e-4), ("vision_extra_boxes", 1)):  # as train() passes them
+            if recorded.get(key) != expected or type(recorded.get(key)) is not type(expected):
+                failures.append(f"vlmopt_training.json args.{key}: expected {expected!r}, got {recorded.get(key)!r}")
         if training.get("args", {}).get("digit_augment") != 1.0:  # train() passes --digit-augment 1.0
             failures.append(f"vlmopt_training.json args.digit_augment: expected 1.0, got "
                             f"{training.get('args', {}).get('digit_augment')}")
