@@ -958,9 +958,9 @@ def resolve_precision(requested: str, native_bf16: bool) -> str:
 FP32_AUTO = {"--digit-augment": 0.5, "--prestage-relation-lr": 5e-4, "--vision-extra-boxes": 2}
 
 
-def resolve_auto(option: str, requested: str, precision: str) -> float:
-    """An fp32-only option's `auto` -> 0 (off) under bf16, FP32_AUTO[option] under fp32; a number >= 0 as given
-    (--vision-extra-boxes: a whole number).
+def resolve_auto(option: str, requested: str, precision: str) -> float | int:
+    """An fp32-only option's `auto` -> 0 (off) under bf16, FP32_AUTO[option] under fp32; a number >= 0 as given,
+    a whole one (an int) where FP32_AUTO[option] is an int (a count).
 
     Why (on a 2-core Zen 2 host without bfloat16 instructions, where every stage trains in fp32):
     - --digit-augment 0.5: without it the recipe read the evaluation boxes as well as the bf16 runs (319 of 389)
@@ -970,16 +970,17 @@ def resolve_auto(option: str, requested: str, precision: str) -> float:
       0.772 with neither: 95 fixed / 52 broken, p = 0.0005) and 0.9085, digits 0.872 on seed 1 (session 45). The
       half rate alone stalled seed 0's vision stage (0.6245, session 44); the extra boxes alone gained seed 0 no
       digit (session 45)."""
+    kind = type(FP32_AUTO[option])
     if requested == "auto":
-        return 0.0 if precision == "bf16" else FP32_AUTO[option]
+        return kind(0) if precision == "bf16" else FP32_AUTO[option]
     try:
         value = float(requested)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0.0) or (option == "--vision-extra-boxes" and not value.is_integer()):
-        kind = "a whole number" if option == "--vision-extra-boxes" else "a number"
-        raise ValueError(f"{option}: expected auto or {kind} >= 0, got {requested!r}")
-    return value
+    if not (math.isfinite(value) and value >= 0.0) or (kind is int and not value.is_integer()):
+        raise ValueError(f"{option}: expected auto or {'a whole number' if kind is int else 'a number'} >= 0, "
+                         f"got {requested!r}")
+    return kind(value)
 
 
 def autocast(args):
@@ -1464,7 +1465,7 @@ def main() -> int:
     try:
         args.digit_augment = resolve_auto("--digit-augment", args.digit_augment, args.precision)
         args.prestage_relation_lr = resolve_auto("--prestage-relation-lr", args.prestage_relation_lr, args.precision)
-        args.vision_extra_boxes = int(resolve_auto("--vision-extra-boxes", args.vision_extra_boxes, args.precision))
+        args.vision_extra_boxes = resolve_auto("--vision-extra-boxes", args.vision_extra_boxes, args.precision)
     except ValueError as e:
         ap.error(str(e))
     print(f"[train] digit augmentation: {args.digit_augment}, relation phases' rate: "

@@ -851,7 +851,10 @@ def main() -> int:
                 if got != expected:
                     failures.append(f"resolve_auto({option!r}, {requested!r}, {precision!r}): expected {expected}, "
                                     f"got {got}")
-            for bad in ("-0.5", "nan", "inf", "strong") + (("1.5",) if option == "--vision-extra-boxes" else ()):
+            whole = isinstance(fp32_value, int)  # a count: no fractions, and ints back
+            if whole and type(tb.resolve_auto(option, "2", "fp32")) is not int:
+                failures.append(f"resolve_auto({option!r}, '2'): expected an int")
+            for bad in ("-0.5", "nan", "inf", "strong") + (("1.5",) if whole else ()):
                 try:
                     tb.resolve_auto(option, bad, "fp32")
                     failures.append(f"resolve_auto({option!r}, {bad!r}): accepted")
