@@ -796,12 +796,38 @@ def alignment_loss(features: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     return ((features - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp_min(1e-8)
 
 
+# How item_means sums (train_builtin.py --item-means): "gather" copies each row's sample out of the
+# features, [R, GRID*GRID, hidden], and reduces it -- how the models up to session 45's were trained;
+# "segment" lays the rows' weights out per sample, [B, rows of the busiest sample, GRID*GRID], and
+# multiplies them into the features in one batched matmul. The same means, summed in another order
+# (they differ in the last bits); ~10x less time with the backward (scripts/bench/item_means.py, 680
+# rows of a batch of 64: 0.053 -> 0.006 s at hidden 128, 0.107 -> 0.010 s at 256): the gather's copy
+# and its scatter-add backward were a fifth of a vision-stage step. train_builtin.py keeps "gather" as
+# its default: on the default seed "segment" missed the digit target (session 46; seed 1 met it).
+ITEM_MEANS_KERNELS = ("gather", "segment")
+item_means_kernel = "gather"
+
+
 def item_means(feats: torch.Tensor, rows) -> torch.Tensor:
     """[R, hidden]: per row (sample index, [GRID*GRID] bool patch mask, label) the mean of that
-    sample's feats [B, GRID*GRID, hidden] over the mask's patches."""
-    masks = torch.from_numpy(np.stack([m for _, m, _ in rows]).astype(np.float32))  # [R, P]
-    masks = masks / masks.sum(1, keepdim=True).clamp_min(1.0)
-    return torch.einsum("rp,rph->rh", masks, feats[torch.tensor([b for b, _, _ in rows])])
+    sample's feats [B, GRID*GRID, hidden] over the mask's patches (item_means_kernel says how)."""
+    masks = np.stack([m for _, m, _ in rows]).astype(np.float32)  # [R, P]
+    masks /= np.maximum(masks.sum(1, keepdims=True), 1.0)
+    sample = np.fromiter((b for b, _, _ in rows), dtype=np.int64, count=len(rows))
+    if item_means_kernel == "gather":
+        return torch.einsum("rp,rph->rh", torch.from_numpy(masks), feats[torch.from_numpy(sample)])
+    if item_means_kernel != "segment":
+        raise ValueError(f"item_means_kernel: expected one of {ITEM_MEANS_KERNELS}, got {item_means_kernel!r}")
+    # Row r's weights go to slot[r] of its sample: the how-many-th row of that sample it is.
+    slot = np.empty(len(rows), dtype=np.int64)
+    seen = np.zeros(feats.size(0), dtype=np.int64)
+    for r, b in enumerate(sample):
+        slot[r] = seen[b]
+        seen[b] += 1
+    weights = np.zeros((feats.size(0), max(int(seen.max(initial=0)), 1), feats.size(1)), dtype=np.float32)
+    weights[sample, slot] = masks
+    means = torch.bmm(torch.from_numpy(weights).to(feats.dtype), feats)  # [B, slots, hidden]
+    return means[torch.from_numpy(sample), torch.from_numpy(slot)]
 
 
 # Logit scale of the readout: word embeddings have norm ~1 after the pre-stage, so plain dot

@@ -13,9 +13,7 @@ bf16 autocast. Prints one JSON line: seconds per batch of 64 scenes for both, an
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,21 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import decoder_prestage as dp  # noqa: E402
 import train_builtin as tb  # noqa: E402
+from git_revision import module_at  # noqa: E402
 
 COUNT_TAGS = ("count_color", "count_shape")
-
-
-def module_at(rev: str, tmp: Path):
-    """scripts/decoder_prestage.py as it was at git revision rev, imported under another name."""
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:scripts/decoder_prestage.py"],
-                            check=True, capture_output=True, text=True).stdout
-    path = tmp / "decoder_prestage_reference.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("decoder_prestage_reference", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
@@ -65,7 +51,7 @@ def main() -> None:
     pack = tb.Pack(args.pack)
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
-        reference = module_at(args.reference_rev, Path(tmp))
+        reference = module_at(args.reference_rev, "scripts/decoder_prestage.py", Path(tmp))
         impls = {"current": (dp, dp.PositionTable(hidden, None, tag_words)),
                  args.reference_rev: (reference, reference.PositionTable(hidden, None, tag_words))}
         impls[args.reference_rev][1].load_state_dict(impls["current"][1].state_dict())

@@ -88,7 +88,7 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
            "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--vision-extra-boxes", "1",
-           "--joint-tower-lr-scale", "0.5", *extra]
+           "--joint-tower-lr-scale", "0.5", "--item-means", "segment", *extra]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -716,7 +716,54 @@ def digit_augment_parity(calib_h5: Path) -> list[str]:
         out.append("digit augmentation changed pixels outside the digit boxes' insides")
     if changed_boxes < 0.9 * boxes:
         out.append(f"digit augmentation changed {changed_boxes} of {boxes} boxes")
+    # The boxes are warped a size at a time: scene by scene, with the stream drawn in the same order,
+    # each box must come out the same, bit for bit, as within the whole batch.
+    rng = np.random.default_rng(0)
+    alone = np.concatenate([tb.augment_digit_boxes(imgs[b:b + 1], [sc], rng, 1.0) for b, sc in enumerate(scenes)])
+    if not np.array_equal(alone, aug):
+        out.append(f"digit augmentation: scene by scene differs from the whole batch on "
+                   f"{int((alone != aug).any(-1).any(-1).sum())} of {len(scenes)} scenes")
     return out[:5]
+
+
+def item_means_parity(draws: int = 3) -> list[str]:
+    """decoder_prestage.item_means: the segment kernel against the gather kernel on random rows
+    (a sample with many rows, samples with none, an empty mask), values and gradients."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import decoder_prestage as dp
+    rng = np.random.default_rng(7)
+    out = []
+    saved = dp.item_means_kernel
+    try:
+        for draw in range(draws):
+            feats = torch.randn(6, dp.GRID * dp.GRID, 16)
+            rows = [(int(rng.choice([0, 0, 0, 2, 5])), rng.random(dp.GRID * dp.GRID) < 0.1, 0) for _ in range(40)]
+            rows.append((3, np.zeros(dp.GRID * dp.GRID, dtype=bool), 0))  # no patch: a zero mean
+            means, grads = {}, {}
+            for kernel in dp.ITEM_MEANS_KERNELS:
+                dp.item_means_kernel = kernel
+                x = feats.clone().requires_grad_(True)
+                means[kernel] = dp.item_means(x, rows)
+                grads[kernel] = torch.autograd.grad((means[kernel] * torch.linspace(-1, 1, 16)).sum(), x)[0]
+            expected = torch.stack([feats[b][torch.from_numpy(m)].mean(0) if m.any() else torch.zeros(16)
+                                    for b, m, _ in rows])
+            for kernel in dp.ITEM_MEANS_KERNELS:
+                if not torch.allclose(means[kernel], expected, atol=1e-5):
+                    out.append(f"item_means {kernel}: draw {draw} differs from the masks' means by "
+                               f"{float((means[kernel] - expected).abs().max()):.2e}")
+            if not torch.allclose(grads["segment"], grads["gather"], atol=1e-5):
+                out.append(f"item_means: draw {draw}'s gradients differ between the kernels")
+        dp.item_means_kernel = "neither"
+        try:
+            dp.item_means(feats, rows)
+            out.append("item_means: an unknown kernel was accepted")
+        except ValueError:
+            pass
+    finally:
+        dp.item_means_kernel = saved
+    return out
 
 
 def extra_boxes_parity(calib_h5: Path) -> list[str]:
@@ -968,6 +1015,7 @@ def main() -> int:
         failures += frozen_positions()
         failures += phase_gate()
         failures += digit_augment_parity(work / "calib.h5")
+        failures += item_means_parity()
         failures += generator_boxes_parity(work / "calib.h5")
 
     for f in failures:
