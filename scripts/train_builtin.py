@@ -495,6 +495,11 @@ class VisionTap:
         index = model.config.vision_feature_layer % (len(layers) + 1)  # hidden_states index
         self.value = None
         self.early = None  # layer early_layer's output [B, 1 + GRID*GRID, hidden] (--vision-early-shape-layer)
+        # [B, K] patch indices (0..GRID*GRID-1, sorted) the next forward keeps, or None for all
+        # (--vision-patch-keep): the embeddings' output, position vectors added, is cut to CLS + those.
+        self.keep: torch.Tensor | None = None
+        (tower.vision_model if hasattr(tower, "vision_model") else tower).embeddings.register_forward_hook(
+            self._keep_hook)
         layers[index - 1].register_forward_hook(self._hook)
         if early_layer:
             if not 1 <= early_layer < index:
@@ -513,6 +518,12 @@ class VisionTap:
 
     def _hook(self, _module, _inputs, output):
         self.value = output[0] if isinstance(output, tuple) else output
+
+    def _keep_hook(self, _module, _inputs, output):
+        if self.keep is None:
+            return None  # the output as it is
+        rows = torch.cat([torch.zeros_like(self.keep[:, :1]), self.keep + 1], 1)  # CLS, then the kept patches
+        return output.gather(1, rows.unsqueeze(-1).expand(-1, -1, output.size(-1)))
 
     def _early_hook(self, _module, _inputs, output):
         self.early = output[0] if isinstance(output, tuple) else output
@@ -606,6 +617,88 @@ def pooled_targets(scenes: list[dict], shapes: list[str], colors: list[str], obj
             items += [(b, inside, t, box_tags[j][k]) for k, t in enumerate(decoder_prestage.TAGS)
                       if t in tags and box_tags[j][k] != decoder_prestage.NO_TAG]
     return items
+
+
+def item_footprints(scenes: list[dict]) -> np.ndarray:
+    """[B, GRID*GRID] bool: the patches an object or a digit box draws ink on. An object stays within
+    1.2 of its radius from its centre (the triangle's corners; datasets/scenes.cpp), +1 px of
+    anti-aliasing; a box within its square."""
+    corners = np.arange(GRID) * PATCH  # a patch spans [corner, corner + PATCH)
+    lo_y, lo_x = np.meshgrid(corners, corners, indexing="ij")
+    out = np.zeros((len(scenes), GRID, GRID), dtype=bool)
+    for b, sc in enumerate(scenes):
+        for o in sc.get("objects", []):
+            # the distance from the centre to the nearest point of each patch
+            dx = np.clip(o["cx"], lo_x, lo_x + PATCH - 1) - o["cx"]
+            dy = np.clip(o["cy"], lo_y, lo_y + PATCH - 1) - o["cy"]
+            out[b] |= np.hypot(dx, dy) <= 1.2 * o["radius"] + 1
+        for dg in sc.get("digits", []):
+            x0, y0, side = dg["x"], dg["y"], dg["side"]
+            out[b] |= (lo_x + PATCH > x0) & (lo_x < x0 + side) & (lo_y + PATCH > y0) & (lo_y < y0 + side)
+    return out.reshape(len(scenes), GRID * GRID)
+
+
+def kept_patches(items, scenes: list[dict], keep: int, rng: np.random.Generator,
+                 groups: int = 1) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The patches a vision-stage step keeps (--vision-patch-keep): per sample every patch an item
+    (object or digit box) draws on (item_footprints; an item's mask covers only its interior, and
+    without its edges the tower lost shape and size: held-out size 0.74 against 0.985 at step 1000,
+    session 47) and background patches drawn at random, K in all. As FLIP drops patches, with the
+    objects kept. The samples go into `groups` groups by their item patches (--vision-patch-groups),
+    each run through the tower on its own: K = max(keep, the group's busiest sample's item patches).
+
+    Returns ([B, Kmax] patch indices, sorted, -1 after a sample's K; [B, Kmax] float32 weights: 1 on
+    an item's patch, on a kept background patch the number of background patches over the number
+    kept, so that a weighted mean over the kept patches estimates the mean over all 144 (the alignment
+    loss's; a sample whose items fill its K keeps no background and weighs in with its items alone),
+    0 after K; the sample indices of each group)."""
+    item = item_footprints(scenes)
+    for b, m, _, _ in items:
+        item[b] |= m
+    batch = len(scenes)
+    busy = item.sum(1)
+    chunks = ([np.arange(batch)] if groups <= 1 else
+              [np.sort(c) for c in np.array_split(np.argsort(busy, kind="stable"), groups) if c.size])
+    k_of = np.empty(batch, dtype=np.int64)
+    for c in chunks:
+        k_of[c] = max(keep, int(busy[c].max()))
+    index = np.full((batch, k_of.max()), -1, dtype=np.int64)
+    weights = np.zeros((batch, k_of.max()), dtype=np.float32)
+    for b in range(batch):
+        background = np.flatnonzero(~item[b])
+        drawn = rng.choice(background, size=k_of[b] - int(busy[b]), replace=False)
+        index[b, :k_of[b]] = np.sort(np.concatenate([np.flatnonzero(item[b]), drawn]))
+        weights[b, :k_of[b]] = np.where(item[b, index[b, :k_of[b]]], 1.0, background.size / max(drawn.size, 1))
+    return index, weights, chunks
+
+
+def items_on_kept(items, index: np.ndarray):
+    """items (pooled_targets) with each mask cut to its sample's kept patches ([B, K] index, -1: none)."""
+    return [(b, np.append(m, False)[index[b]], h, y) for b, m, h, y in items]
+
+
+def tower_on_kept(tower, tap: "VisionTap", pixels: torch.Tensor, kept) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The tower's feature-layer output (and tap.early) on kept_patches' patches, group by group:
+    [B, 1 + Kmax, hidden], CLS first, zeros after a sample's K."""
+    index, _, chunks = kept
+    value, early = None, None
+    for c in chunks:
+        k = int((index[c] >= 0).sum(1).max())
+        tap.keep = torch.from_numpy(index[c, :k])
+        try:
+            tower(pixel_values=pixels if len(chunks) == 1 else pixels[torch.from_numpy(c)])
+        finally:
+            tap.keep = None
+        if len(chunks) == 1:
+            return tap.value, tap.early
+        if value is None:
+            value = tap.value.new_zeros(len(index), 1 + index.shape[1], tap.value.size(-1))
+            early = None if tap.early is None else value.clone()
+        rows = torch.from_numpy(c)
+        value = value.index_put((rows,), torch.nn.functional.pad(tap.value, (0, 0, 0, index.shape[1] - k)))
+        if early is not None:
+            early = early.index_put((rows,), torch.nn.functional.pad(tap.early, (0, 0, 0, index.shape[1] - k)))
+    return value, early
 
 
 def digit_tags_key(args) -> str:
@@ -761,6 +854,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     digit_idx = digit_scene_indices(train)
     augment_rng = np.random.default_rng(args.seed + 21)  # its own stream: the batches stay as without
     paste_rng = np.random.default_rng(args.seed + 25)  # the same for --vision-extra-boxes
+    keep_rng = np.random.default_rng(args.seed + 27)  # and for --vision-patch-keep
 
     donor_cache: dict[int, tuple[np.ndarray, dict]] = {}  # scene index -> (image, scene): <= 6250 scenes, 172 MB
 
@@ -817,16 +911,24 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
         if args.digit_augment > 0:
             imgs = augment_digit_boxes(imgs, scenes, augment_rng, args.digit_augment)
         items = pooled_targets(scenes, shapes, colors, tags=item_tag_names(args))
+        kept = (kept_patches(items, scenes, args.vision_patch_keep, keep_rng, args.vision_patch_groups)
+                if args.vision_patch_keep > 0 else None)
         with autocast(args):
-            tower(pixel_values=to_pixels(imgs))
-            losses, accs = pooled_losses(tap.value[:, 1:, :], items, heads)
+            if kept is None:
+                tower(pixel_values=to_pixels(imgs))
+                value, early_value, on_kept = tap.value, tap.early, items
+            else:
+                value, early_value = tower_on_kept(tower, tap, to_pixels(imgs), kept)
+                on_kept = items_on_kept(items, kept[0])
+            losses, accs = pooled_losses(value[:, 1:, :], on_kept, heads)
             loss = sum(args.vision_count_weight * v if k in COUNT_HEADS else v for k, v in losses.items()) / len(losses)
             if early_heads is not None:
-                early, _ = pooled_losses(tap.early[:, 1:, :], items, early_heads)
+                early, _ = pooled_losses(early_value[:, 1:, :], on_kept, early_heads)
                 loss = loss + sum(early.values()) / len(losses)
                 losses.update({f"early_{k}": v for k, v in early.items()})
             if align is not None:
-                aligned = align(tap.value[:, 1:, :], scenes, items)
+                aligned = align(value[:, 1:, :], scenes, items, kept) if kept is not None else \
+                    align(value[:, 1:, :], scenes, items)
                 losses.update(aligned)
                 loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         opt.zero_grad(set_to_none=True)
@@ -1251,6 +1353,20 @@ def main() -> int:
                          "answers 218 of 250 digit questions against 207 without, seed 0 193 as before; with "
                          "--prestage-relation-lr 5e-4 seed 0 answers 215 (0.935 overall: models/builtin). auto: "
                          f"{FP32_AUTO['--vision-extra-boxes']} under fp32, 0 (off) under bf16 (see resolve_auto)")
+    ap.add_argument("--vision-patch-keep", type=int, default=0,
+                    help="K: each vision-stage step runs the tower on K of the 144 patches of each image (kept_patches: "
+                         "every patch its items draw on and random background ones; more where the items need more), "
+                         "as FLIP drops patches; the joint stage and every evaluation see all patches. 0: all. 1 (the "
+                         "items' patches and what their busiest neighbour in the group needs), fp32, with --item-means "
+                         "segment (session 47): ~96 patches an image, the vision stage 825 s instead of 1218 s on seed 0 "
+                         "(0.9285, digits 0.816; segment alone 0.9315, 0.804: 54 fixed / 60 broken); with "
+                         "--vision-patch-groups 3 ~75 patches, 757 s on seed 1 (0.923, digits 0.852; segment alone "
+                         "0.9185, 0.888: 58 / 49)")
+    ap.add_argument("--vision-patch-groups", type=int, default=1,
+                    help="with --vision-patch-keep: the tower runs on the batch in this many groups of samples, "
+                         "by how many patches their items draw on, each group as long as its busiest sample needs "
+                         "(scripts/bench/vision_patch_keep.py: tower step 0.296 s at 1 group, 0.238 s at 3, 0.489 s "
+                         "on all patches)")
     ap.add_argument("--item-means", choices=decoder_prestage.ITEM_MEANS_KERNELS, default="gather",
                     help="how the pooled heads and the readout average an item's patches (decoder_prestage."
                          "item_means): gather (models/builtin's) or segment, the same means summed in another order "
@@ -1748,9 +1864,10 @@ def main() -> int:
             model.lm_head.weight.copy_(decoder.embed_tokens.weight)
         projector = model.model.multi_modal_projector
 
-        def align(vision_features, scenes, items):
+        def align(vision_features, scenes, items, kept=None):
             # The learned row/column tables are frozen after the pre-stage; the side component
             # follows the word embeddings as the joint stage moves them.
+            # kept: (index, weights) of kept_patches when vision_features holds only those patches.
             if args.align_object_centres or args.align_box_centres:
                 items = pooled_targets(scenes, shapes, colors, object_centres=args.align_object_centres,
                                        box_centres=args.align_box_centres, tags=item_tag_names(args))
@@ -1759,7 +1876,16 @@ def main() -> int:
             target = decoder_prestage.aligned_targets(scenes, items, decoder.embed_tokens.weight, position_table,
                                                       word_id, shapes, colors, positions)
             projected = projector(vision_features)
-            out = {"align": decoder_prestage.alignment_loss(projected, target)}
+            if kept is None:
+                out = {"align": decoder_prestage.alignment_loss(projected, target)}
+            else:
+                # The same scale-free error, as weighted means over the kept patches (kept_patches).
+                index, weights = (torch.from_numpy(a) for a in kept[:2])
+                target = target.gather(1, index.clamp(min=0).unsqueeze(-1).expand(-1, -1, target.size(-1)))
+                weights = weights.to(projected.dtype)
+                out = {"align": ((projected - target) ** 2).sum(-1).mul(weights).sum()
+                       / (target ** 2).sum(-1).mul(weights).sum().clamp_min(1e-8)}
+                items = items_on_kept(items, kept[0])
             if args.readout_weight > 0:
                 out["readout"] = decoder_prestage.readout_loss(projected, items, decoder.embed_tokens.weight,
                                                                word_id, shapes, colors, positions)
@@ -1794,6 +1920,8 @@ def main() -> int:
         key += f"-ema{args.vision_ema}" if args.vision_ema else ""
         key += f"-extraboxes{args.vision_extra_boxes}" if args.vision_extra_boxes else ""
         key += f"-means{args.item_means}" if args.item_means != "gather" else ""
+        key += f"-keep{args.vision_patch_keep}-footprint" if args.vision_patch_keep else ""
+        key += f"-groups{args.vision_patch_groups}" if args.vision_patch_keep and args.vision_patch_groups > 1 else ""
         stage = torch.nn.ModuleDict({"tower": model.model.vision_tower, "heads": pooled_heads})
         if early_heads is not None:
             stage["early_heads"] = early_heads

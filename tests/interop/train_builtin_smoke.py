@@ -88,7 +88,8 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--vision-count-scenes", "1", "--digit-augment", "1.0", "--prestage-generator-boxes",
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
            "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--vision-extra-boxes", "1",
-           "--joint-tower-lr-scale", "0.5", "--item-means", "segment", *extra]
+           "--joint-tower-lr-scale", "0.5", "--item-means", "segment", "--vision-patch-keep", "1",
+           "--vision-patch-groups", "2", *extra]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -856,6 +857,65 @@ def vision_tap_parity(model_dir: Path) -> list[str]:
     return out
 
 
+def patch_keep_parity(calib_h5: Path, model_dir: Path) -> list[str]:
+    """--vision-patch-keep: item_footprints cover every object's ink; kept_patches keeps every item patch,
+    weighs the background so that each sample's weights sum to 144 where it keeps some; tower_on_kept in
+    groups gives each sample the features it gets alone on its kept patches."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import train_builtin as tb
+    from transformers import LlavaForConditionalGeneration
+    pack = tb.Pack(calib_h5)
+    idx = np.arange(min(12, len(pack)))
+    imgs, *_ = pack.batch(idx)
+    scenes = pack.scenes(idx)
+    out = []
+    footprint = tb.item_footprints(scenes).reshape(len(idx), tb.GRID, tb.GRID)
+    ys, xs = np.mgrid[0:imgs.shape[1], 0:imgs.shape[2]]
+    for b, sc in enumerate(scenes):
+        for o in sc.get("objects", []):
+            # the object's own colour near it: its ink (the noise background is light grey)
+            ink = ((np.abs(imgs[b].astype(int) - np.array(o["rgb"])).max(-1) <= 24)
+                   & (np.hypot(xs - o["cx"], ys - o["cy"]) <= 1.5 * o["radius"]))
+            outside = ink & ~np.kron(footprint[b], np.ones((tb.PATCH, tb.PATCH), dtype=bool))
+            if ink.sum() < 10 or outside.any():
+                out.append(f"item_footprints: scene {b}'s {o['shape']}: {int(ink.sum())} ink pixels, "
+                           f"{int(outside.sum())} outside its footprint")
+    items = tb.pooled_targets(scenes, SHAPES, COLORS)
+    index, weights, groups = tb.kept_patches(items, scenes, 1, np.random.default_rng(0), 3)
+    if sorted(np.concatenate(groups).tolist()) != list(range(len(idx))) or len(groups) != 3:
+        out.append(f"kept_patches: groups {[g.tolist() for g in groups]} do not split the batch in three")
+    for (b, m, _, _), (_, kept_m, _, _) in zip(items, tb.items_on_kept(items, index)):
+        if kept_m.sum() != m.sum() or set(index[b][kept_m].tolist()) != set(np.flatnonzero(m).tolist()):
+            out.append(f"kept_patches: an item of scene {b} lost patches")
+            break
+    for b in range(len(idx)):
+        k = int((index[b] >= 0).sum())
+        background = weights[b, :k] != 1.0
+        if (index[b, k:] != -1).any() or (weights[b, k:] != 0).any() or len(set(index[b, :k].tolist())) != k:
+            out.append(f"kept_patches: scene {b}'s index or weights are not padded after its {k} patches")
+        elif background.any() and abs(float(weights[b].sum()) - tb.GRID * tb.GRID) > 1e-3:
+            out.append(f"kept_patches: scene {b}'s weights sum to {weights[b].sum()}, expected 144")
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir).eval()
+    tap = tb.VisionTap(model)
+    pixels = tb.to_pixels(imgs)
+    with torch.no_grad():
+        value, _ = tb.tower_on_kept(model.model.vision_tower, tap, pixels, (index, weights, groups))
+        for b in range(len(idx)):
+            k = int((index[b] >= 0).sum())
+            tap.keep = torch.from_numpy(index[b:b + 1, :k])
+            model.model.vision_tower(pixel_values=pixels[b:b + 1])
+            tap.keep = None
+            if not torch.allclose(value[b, :1 + k], tap.value[0], atol=1e-5) or (value[b, 1 + k:] != 0).any():
+                out.append(f"tower_on_kept: scene {b}'s features differ from its own run on its kept patches")
+        model.model.vision_tower(pixel_values=pixels)  # tap.keep None: all 144 patches again
+        if tap.value.shape[1] != 1 + tb.GRID * tb.GRID:
+            out.append(f"VisionTap kept patches after tower_on_kept: {tap.value.shape[1] - 1} patches")
+    tap.restore()
+    return out[:5]
+
+
 def main() -> int:
     vlmopt = os.environ.get("VLMOPT_BIN", str(REPO_ROOT / "build" / "apps" / "vlmopt" / "vlmopt"))
     failures: list[str] = []
@@ -1001,6 +1061,7 @@ def main() -> int:
         failures += derived_question_parity(work / "calib.h5")
         failures += vision_tap_parity(first)
         failures += extra_boxes_parity(work / "calib.h5")
+        failures += patch_keep_parity(work / "calib.h5", first)
         failures += centre_item_parity(work / "calib.h5")
         failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
