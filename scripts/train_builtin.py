@@ -1637,6 +1637,14 @@ def main() -> int:
         raise SystemExit(f"--prestage-first-lr: expected >= 0, got {args.prestage_first_lr}")
     if args.prestage_retries < 0:
         raise SystemExit(f"--prestage-retries: expected >= 0, got {args.prestage_retries}")
+    if not 0 <= args.vision_patch_keep <= GRID * GRID:
+        raise SystemExit(f"--vision-patch-keep: expected 0..{GRID * GRID} (patches an image keeps; 0: all), "
+                         f"got {args.vision_patch_keep}")
+    if args.vision_patch_groups < 1 or args.vision_patch_groups > args.vision_batch:
+        raise SystemExit(f"--vision-patch-groups: expected 1..{args.vision_batch} (--vision-batch), got "
+                         f"{args.vision_patch_groups}")
+    if args.vision_patch_keep and args.vision_objective != "pooled":
+        raise SystemExit(f"--vision-patch-keep: needs --vision-objective pooled, got {args.vision_objective}")
     binding_kinds = args.prestage_binding_kinds.split(",")
     digit_kinds = args.prestage_digit_kinds.split(",")
     for option, listed in (("--prestage-first-kinds", args.prestage_first_kinds.split(",")),

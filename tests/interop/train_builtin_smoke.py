@@ -1062,6 +1062,13 @@ def main() -> int:
         failures += vision_tap_parity(first)
         failures += extra_boxes_parity(work / "calib.h5")
         failures += patch_keep_parity(work / "calib.h5", first)
+        # A bad --vision-patch-keep: one line naming the option, before anything is packed or written.
+        bad = train(vlmopt, tmp / "bad" / "model", tmp / "bad-work", "--vision-patch-keep", "145")
+        last = (bad.stderr.strip().splitlines() or [""])[-1]
+        if bad.returncode == 0 or not last.startswith("--vision-patch-keep:") or (tmp / "bad-work").exists() \
+                or (tmp / "bad").exists():
+            failures.append(f"--vision-patch-keep 145: exit {bad.returncode}, last line {last!r}, "
+                            f"work written: {(tmp / 'bad-work').exists()}")
         failures += centre_item_parity(work / "calib.h5")
         failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
