@@ -791,9 +791,13 @@ def aligned_targets(scenes: list[dict], items, embed_weight: torch.Tensor, posit
     return out
 
 
-def alignment_loss(features: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean squared error relative to the targets' mean squared norm (scale-free)."""
-    return ((features - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp_min(1e-8)
+def alignment_loss(features: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error relative to the targets' mean squared norm (scale-free). weights [B, P], if
+    given: both means weighted per patch (train_builtin.kept_patches: the kept patches standing in for all)."""
+    if weights is None:
+        return ((features - target) ** 2).sum(-1).mean() / (target ** 2).sum(-1).mean().clamp_min(1e-8)
+    weights = weights.to(features.dtype)
+    return (((features - target) ** 2).sum(-1) * weights).sum() / ((target ** 2).sum(-1) * weights).sum().clamp_min(1e-8)
 
 
 # How item_means sums (train_builtin.py --item-means): "gather" copies each row's sample out of the

@@ -1894,9 +1894,7 @@ def main() -> int:
                 # The same scale-free error, as weighted means over the kept patches (kept_patches).
                 index, weights = (torch.from_numpy(a) for a in kept[:2])
                 target = target.gather(1, index.clamp(min=0).unsqueeze(-1).expand(-1, -1, target.size(-1)))
-                weights = weights.to(projected.dtype)
-                out = {"align": ((projected - target) ** 2).sum(-1).mul(weights).sum()
-                       / (target ** 2).sum(-1).mul(weights).sum().clamp_min(1e-8)}
+                out = {"align": decoder_prestage.alignment_loss(projected, target, weights)}
                 items = items_on_kept(items, kept[0])
             if args.readout_weight > 0:
                 out["readout"] = decoder_prestage.readout_loss(projected, items, decoder.embed_tokens.weight,
