@@ -29,6 +29,7 @@ scripts/experiments/decoder_symbolic_scenes.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+import decoder_rows
 
 CANVAS, PATCH = 96, 8
 GRID = CANVAS // PATCH
@@ -639,7 +642,7 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
              comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
              count_weight: float = 0.0, route_weight: float = 0.0, route_layer: int = 2, route_head: int = 0,
              count_route_weight: float = 0.0, count_route_head: int = 2, train_positions: bool = True,
-             log=print) -> list[dict]:
+             loss_rows: bool = False, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -662,8 +665,19 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
     towards an even spread over <s> and the objects counted (count_route_targets; cross-entropy).
 
     train_positions False: positions' learned tables stay as they are (no gradient, not in the
-    optimizer) -- for a phase whose questions never ask where an object is."""
+    optimizer) -- for a phase whose questions never ask where an object is.
+
+    loss_rows: the last layer runs on the rows the answer loss reads only (decoder_rows.LossRows:
+    the same loss and gradients up to summation order, ~20 % less a step); the probes and route
+    losses must then read an earlier layer."""
     kinds = kinds or KINDS
+    last = len(lm.layers) - 1
+    if loss_rows and ((comparator_weight > 0 or count_weight > 0) and comparator_layer > last
+                      or (route_weight > 0 or count_route_weight > 0) and route_layer >= last):
+        raise ValueError(f"decoder pre-stage: with loss_rows the probes and routes read layers before the last "
+                         f"(hidden states <= {last}, attentions < {last}); got comparator_layer {comparator_layer}, "
+                         f"route_layer {route_layer}")
+    last_rows = decoder_rows.LossRows(lm) if loss_rows else None
     positions.requires_grad_(train_positions)
     params = list(lm.parameters()) + (list(positions.parameters()) if train_positions else [])
     probe = count_probe = None
@@ -709,7 +723,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
         count_routed = counted is not None and any(counted)
         guide = routed or count_routed
         probing = probe is not None or count_probe is not None
-        res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
+        with last_rows.only(b["labels"]) if last_rows is not None else contextlib.nullcontext():
+            res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
         res = res if isinstance(res, tuple) else (res,)
         out, hidden, attention = res[0], res[1] if probing else None, res[-1] if guide else None
         loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
@@ -749,6 +764,8 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             log(json.dumps(entry))
     opt.zero_grad(set_to_none=True)
     positions.requires_grad_(True)
+    if last_rows is not None:
+        last_rows.restore()
     return entries
 
 

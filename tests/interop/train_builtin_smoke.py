@@ -89,7 +89,7 @@ def train(vlmopt: str, out: Path, work: Path, *extra: str) -> subprocess.Complet
            "--prestage-digit-kinds", "digit,relation", "--vision-count-weight", "2",
            "--vision-early-shape-layer", "1", "--vision-ema", "0.9", "--vision-extra-boxes", "1",
            "--joint-tower-lr-scale", "0.5", "--item-means", "segment", "--vision-patch-keep", "1",
-           "--vision-patch-groups", "2", *extra]
+           "--vision-patch-groups", "2", "--decoder-loss-rows", *extra]
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
@@ -767,6 +767,70 @@ def item_means_parity(draws: int = 3) -> list[str]:
     return out
 
 
+def loss_rows_parity() -> list[str]:
+    """decoder_rows.LossRows (--decoder-loss-rows): the answer loss and every gradient as the decoder's own
+    forward gives them, under eager attention with the pre-stage's gapped position ids and under sdpa
+    with none given, padded rows in both; the layer's own forward outside `only` and after restore()."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import torch
+    from transformers import LlamaConfig, LlamaModel
+    import decoder_rows
+    out = []
+    torch.manual_seed(3)
+    B, T = 5, 19
+    ids = torch.randint(4, 40, (B, T))
+    attn = torch.ones(B, T, dtype=torch.long)
+    labels = torch.full((B, T), decoder_rows.IGNORE)
+    for b in range(B):
+        n = T - 3 * b  # right padding: 0, 3, 6, ... tokens
+        attn[b, n:] = 0
+        labels[b, n - 1 - b % 2:n] = ids[b, n - 1 - b % 2:n]  # one or two answer tokens at the row's end
+    labels[0, 4] = ids[0, 4]  # a target early in a row too
+    pos = torch.arange(T).expand(B, T).clone()
+    pos[:, 3:] += 140  # tokens after the image slots sit 140 positions on (as in the pre-stage)
+    for implementation in ("eager", "sdpa"):
+        config = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        config._attn_implementation = implementation
+        lm = LlamaModel(config)
+        head = torch.nn.Linear(32, 40)
+
+        def loss_and_grads():
+            lm.zero_grad(set_to_none=True)
+            # eager: the pre-stage's gapped position ids; sdpa: none given, as LLaVA's forward leaves them
+            # (rotary tables of batch 1)
+            hidden = lm(input_ids=ids, attention_mask=attn,
+                        position_ids=pos if implementation == "eager" else None).last_hidden_state
+            loss = torch.nn.functional.cross_entropy(head(hidden)[:, :-1].flatten(0, 1), labels[:, 1:].flatten(),
+                                                     ignore_index=decoder_rows.IGNORE)
+            loss.backward()
+            return loss.detach(), [p.grad.clone() for p in lm.parameters()]
+
+        reference = loss_and_grads()
+        rows = decoder_rows.LossRows(lm)
+        with rows.only(labels):
+            selected = loss_and_grads()
+        outside = loss_and_grads()
+        rows.restore()
+        restored = loss_and_grads()
+        for name, got in (("only", selected), ("outside only", outside), ("after restore", restored)):
+            worst = max(float((a - b).abs().max()) for a, b in zip(reference[1], got[1]))
+            if not torch.allclose(reference[0], got[0], atol=1e-6) or worst > 1e-5:
+                out.append(f"decoder loss rows ({implementation}, {name}): loss {float(got[0]):.7f} against "
+                           f"{float(reference[0]):.7f}, largest gradient difference {worst:.2e}")
+        if "forward" in vars(rows.layer):
+            out.append(f"decoder loss rows ({implementation}): restore() left the wrapper on the layer")
+        no_target = labels.clone()
+        no_target[2] = decoder_rows.IGNORE
+        try:
+            with decoder_rows.LossRows(lm).only(no_target):
+                pass
+            out.append(f"decoder loss rows ({implementation}): a row without a target was accepted")
+        except ValueError:
+            pass
+    return out
+
+
 def extra_boxes_parity(calib_h5: Path) -> list[str]:
     """train_builtin.paste_extra_digit_boxes on the calibration pack's first scenes, donors from its digit scenes."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -1084,6 +1148,7 @@ def main() -> int:
         failures += phase_gate()
         failures += digit_augment_parity(work / "calib.h5")
         failures += item_means_parity()
+        failures += loss_rows_parity()
         failures += generator_boxes_parity(work / "calib.h5")
 
     for f in failures:
