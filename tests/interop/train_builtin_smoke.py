@@ -536,6 +536,60 @@ def phase_gate(steps: int = 3) -> list[str]:
     return out
 
 
+def vision_gate(steps: int = 4) -> list[str]:
+    """train_builtin.vision_stage_gated (--vision-until): a first try that passes computes exactly as no
+    gate; a short try starts the stage over from the weights and torch RNG state it started from, on the
+    next attempt's draws, and the last try stands."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import train_builtin as tb
+
+    def run(short_tries: int, retries: int, only_attempt: int | None = None):
+        torch.manual_seed(0)
+        stage = torch.nn.ModuleDict({"tower": torch.nn.Linear(6, 3)})
+        opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+
+        def train_stage(attempt: int) -> list[dict]:
+            rng = np.random.default_rng(attempt)  # the attempt's draws
+            log = []
+            for step in range(steps):
+                x = torch.from_numpy(rng.standard_normal((5, 6))).float() + torch.randn(5, 6)  # both streams
+                loss = stage["tower"](x).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                log.append({"vision_step": step})
+                if step == 1 and attempt < short_tries:
+                    log[-1]["gate_short"] = ["shape"]
+                    return log
+            return log
+
+        lines: list[str] = []
+        if only_attempt is not None:
+            entries = train_stage(only_attempt)
+        else:
+            entries = tb.vision_stage_gated(train_stage, stage, retries, log=lines.append)
+        return torch.cat([p.detach().flatten() for p in stage.parameters()]), entries, lines
+
+    out = []
+    plain, plain_log, _ = run(0, 0, only_attempt=0)
+    passed, passed_log, passed_lines = run(0, 1)
+    if not torch.equal(plain, passed) or passed_log != plain_log or passed_lines:
+        out.append("vision_stage_gated: a first try that passed changed the stage or its log")
+    retried, retried_log, retried_lines = run(1, 1)
+    alone, _, _ = run(0, 0, only_attempt=1)
+    tries = [e["try"] for e in retried_log]
+    if tries != [0, 0, 1, 1, 1, 1] or len(retried_lines) != 1 or not torch.equal(retried, alone):
+        out.append(f"vision_stage_gated: one short try gave tries {tries} (expected [0, 0, 1, 1, 1, 1]), "
+                   f"{len(retried_lines)} log lines (expected 1), and weights "
+                   + ("equal" if torch.equal(retried, alone) else "unequal") + " to attempt 1 run from the start alone")
+    kept, kept_log, kept_lines = run(5, 2)
+    if sorted({e["try"] for e in kept_log}) != [0, 1, 2] or len(kept_lines) != 2 or "gate_short" not in kept_log[-1]:
+        out.append("vision_stage_gated: a gate never met did not run three tries and keep the last")
+    return out
+
+
 def checkpoint_dtypes(model: Path) -> list[str]:
     """Every tensor in the checkpoint is float32 (--precision bf16 autocasts the forward passes only)."""
     from safetensors import safe_open
@@ -1133,6 +1187,16 @@ def main() -> int:
                 or (tmp / "bad").exists():
             failures.append(f"--vision-patch-keep 145: exit {bad.returncode}, last line {last!r}, "
                             f"work written: {(tmp / 'bad-work').exists()}")
+        gated = train(vlmopt, tmp / "gated" / "model", work, "--vision-until", "shape=1.0", "--vision-gate-step", "1",
+                      "--vision-retries", "1")
+        if gated.returncode != 0 or '"vision_gate": "short"' not in gated.stderr \
+                or not (tmp / "gated" / "model" / "model.safetensors").is_file():
+            failures.append(f"--vision-until shape=1.0 at step 1: exit {gated.returncode}, started over: "
+                            f"{'vision_gate' in gated.stderr}")
+        bad_gate = train(vlmopt, tmp / "bad-gate" / "model", tmp / "bad-gate-work", "--vision-until", "shape=2")
+        last = (bad_gate.stderr.strip().splitlines() or [""])[-1]
+        if bad_gate.returncode == 0 or not last.startswith("--vision-until:") or (tmp / "bad-gate-work").exists():
+            failures.append(f"--vision-until shape=2: exit {bad_gate.returncode}, last line {last!r}")
         failures += centre_item_parity(work / "calib.h5")
         failures += question_stream_parity(work / f"train-{VISION_PACK}.h5")
         failures += count_layout_parity()
@@ -1146,6 +1210,7 @@ def main() -> int:
         failures += tag_phase_determinism()
         failures += frozen_positions()
         failures += phase_gate()
+        failures += vision_gate()
         failures += digit_augment_parity(work / "calib.h5")
         failures += item_means_parity()
         failures += loss_rows_parity()
