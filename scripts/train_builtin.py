@@ -835,7 +835,7 @@ def paste_extra_digit_boxes(imgs: np.ndarray, scenes: list[dict], donors: list[t
 
 
 def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shapes, colors, args,
-                           align=None, early_heads=None, attempt: int = 0) -> list[dict]:
+                           align=None, early_heads=None, attempt: int = 0, gate: bool = False) -> list[dict]:
     """First stage, pooled objective: the vision tower alone, half of every batch
     from the scenes with digit boxes (1 in 8 scenes otherwise).
 
@@ -849,8 +849,8 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     alignment to the pre-trained decoder's input space ("align", weight args.align_weight; and
     "readout", weight args.readout_weight); the projector then trains here too.
 
-    args.vision_until (a dict, --vision-until): the stage stops at step args.vision_gate_step when a
-    kind's held-out accuracy is below its figure there; its last log entry then has "gate_short".
+    gate (with args.vision_until, a dict: --vision-until): the stage stops at step args.vision_gate_step
+    when a kind's held-out accuracy is below its figure there; its last log entry then has "gate_short".
     attempt k > 0 draws the batches from the streams of seed + 1000 * k (vision_stage_gated)."""
     tower = model.model.vision_tower
     seed = args.seed + 1000 * attempt
@@ -948,7 +948,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
             with torch.no_grad():
                 decay = min(args.vision_ema, (1 + step) / (10 + step))
                 torch._foreach_lerp_(ema, live_weights, 1.0 - decay)
-        gate_step = bool(args.vision_until) and step == args.vision_gate_step
+        gate_step = gate and bool(args.vision_until) and step == args.vision_gate_step
         if step % args.vision_check_every == 0 or step == args.vision_steps - 1 or gate_step:
             held_accs = held_out_accuracies()
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
@@ -977,10 +977,10 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
 
 
 def vision_stage_gated(train_stage, stage: torch.nn.Module, retries: int, log=print) -> list[dict]:
-    """train_stage(attempt) -> its log entries, under --vision-until: a try whose held-out check at
+    """train_stage(attempt, gate) -> its log entries, under --vision-until: a try whose held-out check at
     --vision-gate-step falls short starts the stage over from the weights `stage` had before it, on
     the draws of attempt 1, 2, ... (at most `retries` times); the last try runs to the end whatever it
-    reaches. How fast the tower forms is a draw (session 48: held-out shape 0.48-0.92 at step 500 on one
+    reaches (it runs with gate False). How fast the tower forms is a draw (session 48: held-out shape 0.48-0.92 at step 500 on one
     pre-stage), and a slow start ends with fewer digits read. A first try that passes computes exactly
     as without the gate. Returns every try's entries, each with "try" when a try was started over."""
     start = {k: v.detach().clone() for k, v in stage.state_dict().items()}
@@ -990,10 +990,10 @@ def vision_stage_gated(train_stage, stage: torch.nn.Module, retries: int, log=pr
         if attempt:
             stage.load_state_dict(start)
             torch.set_rng_state(rng)
-        run = train_stage(attempt)
+        run = train_stage(attempt, attempt < retries)
         short = run[-1].get("gate_short") if run else None
         entries += [{**e, "try": attempt} for e in run] if attempt or short else run
-        if not short or attempt == retries:
+        if not short:
             break
         log(json.dumps({"vision_gate": "short", "kinds": short, "try": attempt, "then": "start over"}))
     return entries
@@ -2014,9 +2014,9 @@ def main() -> int:
             key += "-boxcentres" if args.align_box_centres else ""
             stage["projector"] = model.model.multi_modal_projector
         vision_log = cached_stage(work, key, stage, "first stage", lambda: vision_stage_gated(
-            lambda attempt: pretrain_vision_pooled(
+            lambda attempt, gate: pretrain_vision_pooled(
                 model, tap, pooled_heads, vision_train, held, shapes, colors, args,
-                align=align if args.align_weight > 0 else None, early_heads=early_heads, attempt=attempt),
+                align=align if args.align_weight > 0 else None, early_heads=early_heads, attempt=attempt, gate=gate),
             stage, args.vision_retries, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)))
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, vision_train, held, shapes, colors, args)
