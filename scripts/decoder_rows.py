@@ -1,7 +1,7 @@
 """The decoder's last layer on the rows a loss reads, and nowhere else (--decoder-loss-rows).
 
 A training step's loss reads the logits of the positions that predict an answer token: in the
-pre-stage ~3 of a row's ~17 tokens, in the joint stage ~8 of ~195 (144 are visual tokens). Every
+pre-stage ~2 of a row's ~22 tokens, in the joint stage ~8 of ~198 (144 are visual tokens). Every
 layer but the last must still run on all tokens (the next layer's keys and values read them), but
 the last layer's output feeds only the final norm and the head. So the last layer here computes
 keys and values for all tokens and the query, the attention output, the MLP and both residuals
@@ -63,7 +63,7 @@ class LossRows:
         index, valid = self.rows
         attn = layer.self_attn
         B, T, H = hidden_states.shape
-        if index.size(0) != B or (T > 1 and int(index.max()) >= T):
+        if index.size(0) != B or int(index.max()) >= T:
             raise RuntimeError(f"decoder loss rows: rows for [{index.size(0)}, <= {int(index.max()) + 1}] tokens, "
                                f"got hidden states [{B}, {T}]")
         N, hd = index.size(1), attn.head_dim

@@ -983,7 +983,9 @@ def vision_stage_gated(train_stage, stage: torch.nn.Module, retries: int, log=pr
     reaches (it runs with gate False). How fast the tower forms is a draw (session 48: held-out shape
     0.48-0.84 at step 500 on one pre-stage, rates 3 % apart), and a slow start ends with fewer digits
     read. A first try that passes computes exactly as without the gate. Returns every try's entries,
-    each with "try" when a try was started over."""
+    each with "try" when a try was started over. retries 0: no gate, no snapshot."""
+    if retries == 0:
+        return train_stage(0, False)
     start = {k: v.detach().clone() for k, v in stage.state_dict().items()}
     rng = torch.get_rng_state()
     entries: list[dict] = []
@@ -2018,7 +2020,8 @@ def main() -> int:
             lambda attempt, gate: pretrain_vision_pooled(
                 model, tap, pooled_heads, vision_train, held, shapes, colors, args,
                 align=align if args.align_weight > 0 else None, early_heads=early_heads, attempt=attempt, gate=gate),
-            stage, args.vision_retries, log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)))
+            stage, args.vision_retries if args.vision_until else 0,
+            log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)))
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, vision_train, held, shapes, colors, args)
     # The first stage leaves its last gradients on the tower and heads; the joint stage's first
