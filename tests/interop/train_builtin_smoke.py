@@ -15,7 +15,9 @@ readout losses) and checks that
   - the run is reproducible from the seed: a second run writes byte-identical
     weights, and takes both first stages from the cache the first one wrote in --work;
     so does a third that takes only the pre-stage from the cache (its probes draw from
-    torch's RNG, and the vision stage's heads are initialised after it),
+    torch's RNG, and the vision stage's heads are initialised after it) and reads each
+    batch's rows from HDF5 (--no-pack-in-memory) under glibc's malloc,
+  - the packs held in RAM give the rows HDF5 gives, as copies,
   - the questions the script derives from a scene's layout (the pre-stage's and the
     joint stage's extra turns) answer the generator's own question of every calibration
     scene they cover the same way, and cover nearly all of them (exist: 3 in 4),
@@ -977,6 +979,25 @@ def vision_tap_parity(model_dir: Path) -> list[str]:
     return out
 
 
+def pack_in_memory_parity(pack_h5: Path) -> list[str]:
+    """Pack(in_memory=True) serves the rows HDF5 gives, as copies: writing into a batch leaves the pack as it was."""
+    import numpy as np
+    import train_builtin as tb
+    failures = []
+    streamed, held = tb.Pack(pack_h5), tb.Pack(pack_h5, in_memory=True)
+    idx = np.random.default_rng(5).permutation(len(streamed))[:6]
+    for name, a, b in zip(("images", "questions", "answers", "types"), streamed.batch(idx), held.batch(idx)):
+        if not (np.array_equal(a, b) if name == "images" else a == b):
+            failures.append(f"Pack(in_memory=True).batch: {name} differ from the HDF5 rows")
+    if streamed.scenes(idx) != held.scenes(idx):
+        failures.append("Pack(in_memory=True).scenes: differ from the HDF5 rows")
+    before = held.images[idx[0]].copy()
+    tb.Pack.rows(held.images, idx)[0][:] = 0
+    if not np.array_equal(held.images[idx[0]], before):
+        failures.append("Pack(in_memory=True): a row is a view into the pack (writing into it changed the pack)")
+    return failures
+
+
 def patch_keep_parity(calib_h5: Path, model_dir: Path) -> list[str]:
     """--vision-patch-keep: item_footprints cover every object's ink; kept_patches keeps every item patch,
     weighs the background so that each sample's weights sum to 144 where it keeps some; tower_on_kept in
@@ -1167,14 +1188,15 @@ def main() -> int:
         for vision_cache in work.glob("vision-pooled-*.safetensors"):
             vision_cache.unlink()
         third = tmp / "third"
-        run3 = train(vlmopt, third, work, "--allocator", "system")  # the same weights under glibc's malloc
+        # The same weights under glibc's malloc, and with each batch's rows read from HDF5 (the packs not in RAM).
+        run3 = train(vlmopt, third, work, "--allocator", "system", "--no-pack-in-memory")
         if run3.returncode != 0:
             failures.append(f"third run exited {run3.returncode}: {run3.stderr.strip().splitlines()[-1:]}")
         elif "decoder pre-stage from" not in run3.stderr or "first stage from" in run3.stderr:
             failures.append("third run: expected the pre-stage from the cache and the vision stage trained")
         elif sha256(first / "model.safetensors") != sha256(third / "model.safetensors"):
-            failures.append("pre-stage from the cache, vision stage trained under --allocator system: different "
-                            "weights than the fresh run")
+            failures.append("pre-stage from the cache, vision stage trained under --allocator system "
+                            "--no-pack-in-memory: different weights than the fresh run")
         elif json.loads((third / "vlmopt_training.json").read_text()).get("allocator") != "system":
             failures.append("third run: vlmopt_training.json allocator is not 'system' under --allocator system")
 
@@ -1182,6 +1204,7 @@ def main() -> int:
         failures += vision_tap_parity(first)
         failures += extra_boxes_parity(work / "calib.h5")
         failures += patch_keep_parity(work / "calib.h5", first)
+        failures += pack_in_memory_parity(work / "calib.h5")
         # A bad --vision-patch-keep: one line naming the option, before anything is packed or written.
         bad = train(vlmopt, tmp / "bad" / "model", tmp / "bad-work", "--vision-patch-keep", "145")
         last = (bad.stderr.strip().splitlines() or [""])[-1]
