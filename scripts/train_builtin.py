@@ -288,7 +288,8 @@ def make_config(vocab_size: int, image_token_id: int, ids: dict[str, int], visio
 
 
 class Pack:
-    """Streams one HDF5 pack written by `vlmopt datasets pack` (layout: docs/datasets.md)."""
+    """One HDF5 pack written by `vlmopt datasets pack` (layout: docs/datasets.md), read row by row
+    or held in RAM."""
 
     def __init__(self, path: Path, in_memory: bool = False):
         """in_memory: read every dataset whole now (the 50000-scene pack: 1.4 GB of images, ~7 s) and
@@ -980,28 +981,23 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
 
 def vision_stage_gated(train_stage, stage: torch.nn.Module, retries: int, log=print) -> list[dict]:
     """train_stage(attempt, gate) -> its log entries, under --vision-until: a try whose held-out check at
-    --vision-gate-step falls short starts the stage over from the weights `stage` had before it, on
-    the draws of attempt 1, 2, ... (at most `retries` times); the last try runs to the end whatever it
-    reaches (it runs with gate False). How fast the tower forms is a draw (session 48: held-out shape
-    0.48-0.84 at step 500 on one pre-stage, rates 3 % apart), and a slow start ends with fewer digits
-    read. A first try that passes computes exactly as without the gate. Returns every try's entries,
-    each with "try" when a try was started over. retries 0: no gate, no snapshot."""
+    --vision-gate-step falls short starts the stage over (run_with_restarts) on the draws of attempt
+    1, 2, ... (at most `retries` times); the last try runs to the end whatever it reaches (it runs with
+    gate False). How fast the tower forms is a draw (session 48: held-out shape 0.48-0.84 at step 500
+    on one pre-stage, rates 3 % apart), and a slow start ends with fewer digits read. Returns every
+    try's entries, each with "try" when a try was started over. retries 0: no gate, no snapshot."""
     if retries == 0:
         return train_stage(0, False)
-    start = {k: v.detach().clone() for k, v in stage.state_dict().items()}
-    rng = torch.get_rng_state()
-    entries: list[dict] = []
-    for attempt in range(retries + 1):
-        if attempt:
-            stage.load_state_dict(start)
-            torch.set_rng_state(rng)
+
+    def attempt_run(attempt: int) -> tuple[list[dict], bool]:
         run = train_stage(attempt, attempt < retries)
         short = run[-1].get("gate_short") if run else None
-        entries += [{**e, "try": attempt} for e in run] if attempt or short else run
-        if not short:
-            break
-        log(json.dumps({"vision_gate": "short", "kinds": short, "try": attempt, "then": "start over"}))
-    return entries
+        if short:
+            log(json.dumps({"vision_gate": "short", "kinds": short, "try": attempt, "then": "start over"}))
+        return run, bool(short)
+
+    runs = run_with_restarts(stage, retries + 1, attempt_run)
+    return runs[0] if len(runs) == 1 else [{**e, "try": a} for a, run in enumerate(runs) for e in run]
 
 
 # Relation phase kinds of --prestage-relation-schedule: (share of horizontal-word draws, or None for
@@ -1067,21 +1063,35 @@ def gated_phase(train_phase, stage: torch.nn.Module, seed: int, until: dict[str,
     exactly as without the gate. Returns every try's entries, each with "try" when the phase has a gate."""
     if not until:
         return train_phase(seed)
+
+    def attempt_run(attempt: int) -> tuple[list[dict], bool]:
+        run = [{**e, "try": attempt} for e in train_phase(seed + 1000 * attempt)]
+        short = sorted(k for k, v in until.items() if run[-1]["by_kind"].get(k, 0.0) < v)
+        if short:
+            log(json.dumps({"gate": until, "short": short, "try": attempt,
+                            "then": "start over" if attempt < retries else "keep"}))
+        return run, bool(short)
+
+    return [e for run in run_with_restarts(stage, retries + 1, attempt_run) for e in run]
+
+
+def run_with_restarts(stage: torch.nn.Module, tries: int, attempt_run) -> list[list[dict]]:
+    """The restart loop of the gates (gated_phase, vision_stage_gated): attempt_run(attempt) -> (its log
+    entries, whether to start over) for attempt 0, 1, ... < tries, until one need not start over. Each
+    try after the first starts from the weights `stage` and torch's RNG state had before the first, so
+    a first try that stands computes exactly as a plain call. Returns each try's entries."""
     start = {k: v.detach().clone() for k, v in stage.state_dict().items()}
     rng = torch.get_rng_state()
-    entries = []
-    for attempt in range(retries + 1):
+    runs: list[list[dict]] = []
+    for attempt in range(tries):
         if attempt:
             stage.load_state_dict(start)
             torch.set_rng_state(rng)
-        run = [{**e, "try": attempt} for e in train_phase(seed + 1000 * attempt)]
-        entries += run
-        short = sorted(k for k, v in until.items() if run[-1]["by_kind"].get(k, 0.0) < v)
-        if not short:
+        run, again = attempt_run(attempt)
+        runs.append(run)
+        if not again:
             break
-        log(json.dumps({"gate": until, "short": short, "try": attempt,
-                        "then": "start over" if attempt < retries else "keep"}))
-    return entries
+    return runs
 
 
 def question_streams(pack: "Pack", question_scenes: dict[str, int], seed: int) -> list[tuple[int, np.ndarray]]:
