@@ -636,13 +636,94 @@ def accuracy_by_kind(out: torch.Tensor, batch: dict) -> dict[str, list[int]]:
     return acc
 
 
+def row_length(sample) -> int:
+    """The tokens of a sample's collated row (collate): <s> USER:, its items, question, ASSISTANT:, answer, </s>."""
+    scene, _, q, a = sample
+    return 2 + len(scene_items(scene)) + len(q.split()) + 1 + len(a.split()) + 1
+
+
+def step_counts(samples, plurals: dict[str, str], comparator_axis_weights: tuple[float, float], routing: bool,
+                count_routing: bool) -> dict[str, float]:
+    """Each loss term's count over a whole batch (pretrain's length groups divide their sums by these):
+    answer tokens, the comparator probe's target weight, count-probe targets, routed rows, count-routed rows."""
+    comparator = comparator_targets(samples)
+    count = count_targets(samples)
+    return {"answer": float(sum(len(a.split()) + 1 for _, _, _, a in samples)),
+            "comparator": float(torch.tensor(comparator_axis_weights).expand_as(comparator)[comparator >= 0].sum()),
+            "count": float((count >= 0).all(-1).sum() * count.size(-1)),
+            "route": float((route_targets(samples) >= 0).sum()) if routing else 0.0,
+            "count_route": float(sum(bool(c) for c in count_route_targets(samples, plurals))) if count_routing else 0.0}
+
+
+def step_loss(lm, positions: PositionTable, samples, word_id: dict[str, int], counts: dict[str, float] | None,
+              last_rows, probe, count_probe, comparator_weight: float, comparator_layer: int,
+              comparator_axis_weights: tuple[float, float], count_weight: float, route_weight: float,
+              route_layer: int, route_head: int, count_route_weight: float, count_route_head: int,
+              plurals: dict[str, str]) -> torch.Tensor:
+    """pretrain's loss on samples: the answer's cross-entropy plus the probes' and routes' terms. counts None:
+    each term is its mean over these samples; else (a length group of a batch) its sum divided by
+    counts[term], the term's count over the whole batch (step_counts), so that the groups' losses sum to
+    the batch's."""
+    b = collate(samples, word_id)
+    route = route_targets(samples) if route_weight > 0 else None
+    counted = count_route_targets(samples, plurals) if count_route_weight > 0 else None
+    routed = route is not None and bool((route >= 0).any())
+    count_routed = counted is not None and any(counted)
+    guide = routed or count_routed
+    probing = probe is not None or count_probe is not None
+    with last_rows.only(b["labels"]) if last_rows is not None else contextlib.nullcontext():
+        res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
+    res = res if isinstance(res, tuple) else (res,)
+    out, hidden, attention = res[0], res[1] if probing else None, res[-1] if guide else None
+    if counts is None:
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100)
+    else:
+        loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                 ignore_index=-100, reduction="sum") / counts["answer"]
+    if probe is not None:
+        target = comparator_targets(samples)
+        asked = target >= 0
+        if asked.any():
+            weight = torch.tensor(comparator_axis_weights).expand_as(target)[asked]
+            bce = torch.nn.functional.binary_cross_entropy_with_logits(probe(hidden)[asked], target[asked],
+                                                                       reduction="none")
+            loss = loss + comparator_weight * (weight * bce).sum() / (
+                weight.sum() if counts is None else counts["comparator"])
+    if count_probe is not None:
+        target = count_targets(samples)
+        asked = (target >= 0).all(-1)
+        if asked.any():
+            if counts is None:
+                loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+                    count_probe(hidden)[asked], target[asked])
+            else:
+                loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
+                    count_probe(hidden)[asked], target[asked], reduction="sum") / counts["count"]
+    if routed:
+        asked = route >= 0
+        mass = attention[asked, route_head, route[asked]]
+        if counts is None:
+            loss = loss + route_weight * -(mass + 1e-6).log().mean()
+        else:
+            loss = loss + route_weight * -(mass + 1e-6).log().sum() / counts["route"]
+    if count_routed:
+        rows = [i for i, slots in enumerate(counted) if slots]
+        terms = [-(attention[i, count_route_head, counted[i]] + 1e-6).log().mean() for i in rows]
+        if counts is None:
+            loss = loss + count_route_weight * torch.stack(terms).mean()
+        else:
+            loss = loss + count_route_weight * torch.stack(terms).sum() / counts["count_route"]
+    return loss
+
+
 def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dict[str, int], *, steps: int,
              batch: int = 64, lr: float = 1e-3, warmup: int = 50, seed: int = 0, kinds: list[str] | None = None,
              eval_every: int = 250, held: int = 1024, cooldown: int = 0, comparator_weight: float = 0.0,
              comparator_layer: int = 2, comparator_axis_weights: tuple[float, float] = (1.0, 1.0),
              count_weight: float = 0.0, route_weight: float = 0.0, route_layer: int = 2, route_head: int = 0,
              count_route_weight: float = 0.0, count_route_head: int = 2, train_positions: bool = True,
-             loss_rows: bool = False, log=print) -> list[dict]:
+             loss_rows: bool = False, length_groups: int = 1, log=print) -> list[dict]:
     """Trains lm (LlamaModel, tied head) and positions on symbolic scenes; returns the log entries.
 
     Constant learning rate after the warmup: the routing forms abruptly (a phase transition) and a
@@ -669,7 +750,12 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
 
     loss_rows: the last layer runs on the rows the answer loss reads only (decoder_rows.LossRows:
     the same loss and gradients up to summation order, ~20 % less a step); the probes and route
-    losses must then read an earlier layer."""
+    losses must then read an earlier layer.
+
+    length_groups > 1: each step's samples, sorted by length, run as that many groups, each collated to its
+    own longest row (two groups: ~13 % fewer token slots a batch of the main mix), every loss term divided
+    by its count over the whole batch and the groups' gradients summed: the same loss and gradients up to
+    summation order (step_loss)."""
     kinds = kinds or KINDS
     last = len(lm.layers) - 1
     if loss_rows and ((comparator_weight > 0 or count_weight > 0) and comparator_layer > last
@@ -716,45 +802,24 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             if step >= steps - cooldown:
                 g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
         samples = [sampler.sample(rng, kinds) for _ in range(batch)]
-        b = collate(samples, word_id)
-        route = route_targets(samples) if route_weight > 0 else None
-        counted = count_route_targets(samples, sampler.plurals) if count_route_weight > 0 else None
-        routed = route is not None and bool((route >= 0).any())
-        count_routed = counted is not None and any(counted)
-        guide = routed or count_routed
-        probing = probe is not None or count_probe is not None
-        with last_rows.only(b["labels"]) if last_rows is not None else contextlib.nullcontext():
-            res = logits(lm, positions, b, comparator_layer if probing else None, route_layer if guide else None)
-        res = res if isinstance(res, tuple) else (res,)
-        out, hidden, attention = res[0], res[1] if probing else None, res[-1] if guide else None
-        loss = torch.nn.functional.cross_entropy(out[:, :-1].flatten(0, 1), b["labels"][:, 1:].flatten(),
-                                                 ignore_index=-100)
-        if probe is not None:
-            target = comparator_targets(samples)
-            asked = target >= 0
-            if asked.any():
-                weight = torch.tensor(comparator_axis_weights).expand_as(target)[asked]
-                bce = torch.nn.functional.binary_cross_entropy_with_logits(probe(hidden)[asked], target[asked],
-                                                                           reduction="none")
-                loss = loss + comparator_weight * (weight * bce).sum() / weight.sum()
-        if count_probe is not None:
-            target = count_targets(samples)
-            asked = (target >= 0).all(-1)
-            if asked.any():
-                loss = loss + count_weight * torch.nn.functional.binary_cross_entropy_with_logits(
-                    count_probe(hidden)[asked], target[asked])
-        if routed:
-            asked = route >= 0
-            mass = attention[asked, route_head, route[asked]]
-            loss = loss + route_weight * -(mass + 1e-6).log().mean()
-        if count_routed:
-            rows = [i for i, slots in enumerate(counted) if slots]
-            terms = [-(attention[i, count_route_head, counted[i]] + 1e-6).log().mean() for i in rows]
-            loss = loss + count_route_weight * torch.stack(terms).mean()
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
+        if length_groups > 1:
+            samples = sorted(samples, key=row_length)
+            bounds = np.linspace(0, len(samples), length_groups + 1).round().astype(int)
+            groups = [samples[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+        else:
+            groups = [samples]
+        counts = step_counts(samples, sampler.plurals, comparator_axis_weights, route_weight > 0,
+                             count_route_weight > 0) if length_groups > 1 else None
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = torch.zeros(())
+        for group in groups:  # the groups' gradients add up
+            part = step_loss(lm, positions, group, word_id, counts, last_rows, probe, count_probe, comparator_weight,
+                             comparator_layer, comparator_axis_weights, count_weight, route_weight, route_layer,
+                             route_head, count_route_weight, count_route_head, sampler.plurals)
+            if not torch.isfinite(part):
+                raise RuntimeError(f"decoder pre-stage: non-finite loss at step {step}")
+            part.backward()
+            loss = loss + part.detach()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if (step % eval_every == 0 and step > 0) or step == steps - 1:

@@ -110,6 +110,14 @@ target with them (0.816), as every faster variant of its pre-stage did. Under bf
 options stay off (not measured there): the defaults' bf16 run (0.9245, digits 0.796) took 26.3 min on
 an AVX512-BF16 host.
 
+--ranks 2 (off) trains the vision and joint stages in two processes of one thread each, each on half of
+every batch, the gradients averaged (train_ranks.py); the pre-stage runs in one of them with both threads
+and is the same cache entry as without. On the 2-core Zen 2, seed 1 from session 49's cached pre-stage with
+the three options above: vision stage 746 s against 885 s, joint stage 356 s against 393 s, 0.9155,
+digits 0.792, against 0.925, digits 0.832 in one process (other draws; 59 fixed / 78 broken, p = 0.12;
+session 50). --prestage-length-groups 2 (off) runs each pre-stage batch as two groups by length, the same
+loss and gradients up to rounding: -4.8 % on the first phase's first 250 steps.
+
 No training aid is saved in the checkpoint. Reproducible from the seed: fixed
 step counts (not a time budget, so a slower or busier machine gives the same
 model), CPU, fixed thread count, on one host (another CPU's kernels round differently:
@@ -241,6 +249,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 import decoder_prestage
 import decoder_rows
+import train_ranks
 from transformers import (CLIPImageProcessor, CLIPVisionConfig, LlamaConfig, LlavaConfig,
                           LlavaForConditionalGeneration, LlavaProcessor, PreTrainedTokenizerFast)
 
@@ -838,7 +847,8 @@ def paste_extra_digit_boxes(imgs: np.ndarray, scenes: list[dict], donors: list[t
 
 
 def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shapes, colors, args,
-                           align=None, early_heads=None, attempt: int = 0, gate: bool = False) -> list[dict]:
+                           align=None, early_heads=None, attempt: int = 0, gate: bool = False,
+                           ranks: train_ranks.Ranks | None = None) -> list[dict]:
     """First stage, pooled objective: the vision tower alone, half of every batch
     from the scenes with digit boxes (1 in 8 scenes otherwise).
 
@@ -854,7 +864,12 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
 
     gate (with args.vision_until, a dict: --vision-until): the stage stops at step args.vision_gate_step
     when a kind's held-out accuracy is below its figure there; its last log entry then has "gate_short".
-    attempt k > 0 draws the batches from the streams of seed + 1000 * k (vision_stage_gated)."""
+    attempt k > 0 draws the batches from the streams of seed + 1000 * k (vision_stage_gated).
+
+    ranks (--ranks): every rank draws the same scenes and trains on its share of them, with its own
+    streams for what it draws for them; the held-out checks run on rank 0 (train_ranks.py)."""
+    ranks = ranks or train_ranks.Ranks()
+    ranks.split_threads()
     tower = model.model.vision_tower
     seed = args.seed + 1000 * attempt
     params = list(tower.parameters()) + list(heads.parameters())
@@ -865,9 +880,9 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     opt = torch.optim.AdamW(params, lr=args.vision_lr, weight_decay=0.01)
     rng = np.random.default_rng(seed + 1)
     digit_idx = digit_scene_indices(train)
-    augment_rng = np.random.default_rng(seed + 21)  # its own stream: the batches stay as without
-    paste_rng = np.random.default_rng(seed + 25)  # the same for --vision-extra-boxes
-    keep_rng = np.random.default_rng(seed + 27)  # and for --vision-patch-keep
+    augment_rng = np.random.default_rng(ranks.seed(seed + 21))  # its own stream: the batches stay as without
+    paste_rng = np.random.default_rng(ranks.seed(seed + 25))  # the same for --vision-extra-boxes
+    keep_rng = np.random.default_rng(ranks.seed(seed + 27))  # and for --vision-patch-keep
 
     donor_cache: dict[int, tuple[np.ndarray, dict]] = {}  # scene index -> (image, scene): <= 6250 scenes, 172 MB
 
@@ -915,7 +930,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
                  rng.choice(digit_idx, size=digits, replace=False)]
         if counts:
             parts.append(rng.choice(count_idx, size=counts, replace=False))
-        idx = np.unique(np.concatenate(parts))
+        idx = ranks.share(np.unique(np.concatenate(parts)))
         imgs, *_ = train.batch(idx)
         scenes = train.scenes(idx)
         if args.vision_extra_boxes > 0:
@@ -946,6 +961,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
                 loss = loss + sum(aligned_weight(args, k) * v for k, v in aligned.items())
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        ranks.average_gradients(params)
         opt.step()
         if ema is not None:
             with torch.no_grad():
@@ -953,7 +969,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
                 torch._foreach_lerp_(ema, live_weights, 1.0 - decay)
         gate_step = gate and bool(args.vision_until) and step == args.vision_gate_step
         if step % args.vision_check_every == 0 or step == args.vision_steps - 1 or gate_step:
-            held_accs = held_out_accuracies()
+            held_accs = ranks.main_wide(held_out_accuracies)
             entry = {"vision_step": step, "loss": round(float(loss.detach()), 4), "s": round(time.time() - t0, 1),
                      **{k: round(float(losses[k].detach()), 4) for k in ("align", "readout") if k in losses},
                      "heldout_pooled_acc": {k: round(a, 3) for k, (a, _) in held_accs.items()},
@@ -971,7 +987,7 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     if ema is not None:
         with torch.no_grad():
             torch._foreach_copy_(live_weights, ema)
-        held_accs = held_out_accuracies()
+        held_accs = ranks.main_wide(held_out_accuracies)
         entry = {"vision_step": "ema", "decay": args.vision_ema,
                  "heldout_pooled_acc": {k: round(a, 3) for k, (a, _) in held_accs.items()}}
         log.append(entry)
@@ -1243,7 +1259,8 @@ def quick_eval(model, tok, pack: Pack, ids, n: int, batch: int, logits_fn=None,
 RNG_STATE_KEY = "__torch_rng_state__"  # in a cached stage's safetensors, next to the weights
 
 
-def cached_stage(work: Path, key: str, stage: torch.nn.Module, what: str, train) -> list[dict]:
+def cached_stage(work: Path, key: str, stage: torch.nn.Module, what: str, train,
+                 ranks: train_ranks.Ranks | None = None, solo: bool = False) -> list[dict]:
     """Loads `stage`'s weights and log from --work/<key>.*, or runs train() (-> log entries) and
     stores both there: log first, weights last via temp + rename, so the weights' presence means
     the entry is complete (safetensors, no pickle).
@@ -1254,27 +1271,55 @@ def cached_stage(work: Path, key: str, stage: torch.nn.Module, what: str, train)
     the state (written before session 19) counts as a miss.
 
     A key too long for a file name (the vision stage's embeds the pre-stage's) is cut, with a hash of the
-    whole key appended; shorter keys name their files as they always did."""
+    whole key appended; shorter keys name their files as they always did.
+
+    ranks (--ranks): rank 0 decides whether the entry is there and alone writes it; every rank checks
+    that it ends the stage on rank 0's weights. solo: rank 0 alone runs train(), with every rank's
+    threads, and the others wait, then load the entry it wrote."""
+    ranks = ranks or train_ranks.Ranks()
     if len(key) > 200:  # file names end at 255 bytes; ".safetensors" and ".partial" must fit
         key = f"{key[:160]}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     cache = work / f"{key}.safetensors"
-    if cache.exists():
+
+    def load() -> list[dict] | None:
         tensors = safetensors.torch.load_file(cache)
         rng_state = tensors.pop(RNG_STATE_KEY, None)
-        if rng_state is not None:
-            stage.load_state_dict(tensors, strict=True)
-            torch.set_rng_state(rng_state)
-            print(f"[train] {what} from {cache}", file=sys.stderr)
-            return json.loads((work / f"{key}.json").read_text())
-        print(f"[train] {cache} holds no RNG state (an older cache): training the {what} again", file=sys.stderr)
+        if rng_state is None:
+            print(f"[train] {cache} holds no RNG state (an older cache): training the {what} again", file=sys.stderr)
+            return None
+        stage.load_state_dict(tensors, strict=True)
+        torch.set_rng_state(rng_state)
+        print(f"[train] {what} from {cache}", file=sys.stderr)
+        ranks.same_weights(stage, what)
+        return json.loads((work / f"{key}.json").read_text())
+
+    if ranks.broadcast_json(cache.exists()) and (log := load()) is not None:
+        return log
+    if solo and ranks.world > 1:
+        if ranks.main:
+            with ranks.all_threads():
+                log = train()
+            store(work, key, cache, stage, log)
+        ranks.broadcast_json("stored")  # the others wait here
+        if not ranks.main:
+            return load()
+        ranks.same_weights(stage, what)  # with the others' load()
+        return log
     log = train()
+    ranks.same_weights(stage, what)
+    if ranks.main:
+        store(work, key, cache, stage, log)
+    return log
+
+
+def store(work: Path, key: str, cache: Path, stage: torch.nn.Module, log: list[dict]) -> None:
+    """cached_stage's entry: the log, then the weights and torch's RNG state via temp + rename."""
     (work / f"{key}.json").write_text(json.dumps(log))
     partial = cache.with_suffix(".partial")
     tensors = {k: v.contiguous() for k, v in stage.state_dict().items()}
     tensors[RNG_STATE_KEY] = torch.get_rng_state()
     safetensors.torch.save_file(tensors, partial)
     os.replace(partial, cache)
-    return log
 
 
 def main() -> int:
@@ -1291,7 +1336,11 @@ def main() -> int:
     # give 0.765, 0.770 and 0.773 on builtin:eval against 0.752 (session 16, docs/BENCHMARKS.md).
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads in all (over --ranks' processes)")
+    ap.add_argument("--ranks", type=int, default=1,
+                    help="N > 1: train in N processes of --threads / N threads each, each on 1/N of every batch, "
+                         "the gradients averaged (train_ranks.py): other draws than one process, every stage "
+                         "its own cache entry")
     ap.add_argument("--allocator", choices=ALLOCATORS, default=ALLOCATORS[0],
                     help="tcmalloc: re-run this script with tcmalloc preloaded (preload_tcmalloc: ~20 %% faster, "
                          "the same weights); system: the C library's malloc")
@@ -1437,6 +1486,10 @@ def main() -> int:
                          "on all patches). The busiest third of a batch then keeps little or no background: 3 groups on seed 0 "
                          "(session 47, fresh, 32.9 min) read 337 of 389 evaluation boxes against 354 with 1 group and "
                          "scored 0.909, digits 0.720 (vs segment alone: 43 fixed / 88 broken, p = 1e-4)")
+    ap.add_argument("--prestage-length-groups", type=int, default=1,
+                    help="G > 1: each pre-stage step runs its batch as G groups sorted by length, each padded to its "
+                         "own longest row, the losses divided by their counts over the whole batch: the same loss "
+                         "and gradients up to summation order (decoder_prestage.step_loss), fewer padded slots")
     ap.add_argument("--decoder-loss-rows", action=argparse.BooleanOptionalAction, default=False,
                     help="the decoder's last layer runs on the positions the answer loss reads only, in the pre-stage "
                          "and the joint stage (scripts/decoder_rows.py): the same loss and gradients up to summation "
@@ -1727,6 +1780,11 @@ def main() -> int:
                          f"{args.vision_patch_groups}")
     if args.vision_patch_keep and args.vision_objective != "pooled":
         raise SystemExit(f"--vision-patch-keep: needs --vision-objective pooled, got {args.vision_objective}")
+    if not 1 <= args.prestage_length_groups <= args.decoder_prestage_batch:
+        raise SystemExit(f"--prestage-length-groups: expected 1..{args.decoder_prestage_batch} "
+                         f"(--decoder-prestage-batch), got {args.prestage_length_groups}")
+    if not 1 <= args.ranks <= max(1, args.threads):
+        raise SystemExit(f"--ranks: expected 1..--threads ({args.threads}) processes, got {args.ranks}")
     if args.decoder_loss_rows and args.attn_guide_weight > 0 and args.attn_guide_layer >= DECODER_LAYERS - 1:
         raise SystemExit(f"--decoder-loss-rows: --attn-guide-layer must read a layer before the last "
                          f"(< {DECODER_LAYERS - 1}), got {args.attn_guide_layer}")
@@ -1763,6 +1821,8 @@ def main() -> int:
     if not calib_h5.exists():
         run_vlmopt(args.vlmopt, "-q", "datasets", "pack", "builtin:calib", str(calib_h5))
     held = Pack(calib_h5)
+    # Ranks 1.. start here, once the packs are in --work (train_ranks.start), each with its share of the threads.
+    ranks = train_ranks.start(args.ranks, args.threads // args.ranks, work)
 
     tok = build_tokenizer(vocab_info["words"])
     ids = {s: tok.token_to_id(s) for s in SPECIALS}
@@ -1816,7 +1876,8 @@ def main() -> int:
                            if args.prestage_count_route_weight else "")
                         + ("-eager" if args.attention == "eager" else "")  # other rounding: another stage
                         + (f"-lossrows{hashlib.sha256(Path(decoder_rows.__file__).read_bytes()).hexdigest()[:8]}"
-                           if args.decoder_loss_rows else ""))
+                           if args.decoder_loss_rows else "")
+                        + (f"-lengroups{args.prestage_length_groups}" if args.prestage_length_groups > 1 else ""))
         stage = torch.nn.ModuleDict({"decoder": decoder, "positions": positions})
         sampler = decoder_prestage.SymbolicScenes(shapes, colors, SHAPE_PLURALS, args.prestage_next_to,
                                                   count_layouts=args.prestage_count_layouts,
@@ -1829,7 +1890,8 @@ def main() -> int:
             log = lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)
             common = dict(batch=args.decoder_prestage_batch, lr=args.decoder_prestage_lr,
                           comparator_layer=args.prestage_comparator_layer, count_weight=args.prestage_count_weight,
-                          route_layer=args.prestage_route_layer, loss_rows=args.decoder_loss_rows, log=log)
+                          route_layer=args.prestage_route_layer, loss_rows=args.decoder_loss_rows,
+                          length_groups=args.prestage_length_groups, log=log)
             for i, phase in enumerate(phases):
                 options = {k: v for k, v in phase.items() if k not in ("sampler", "tags", "until")}
                 positions.tags_active = phase.get("tags", False)
@@ -1957,8 +2019,9 @@ def main() -> int:
             prestage_key += f"-reluntil{args.prestage_relation_until}-{args.prestage_retries}"
         if args.prestage_relation_lr:
             prestage_key += f"-rellr{args.prestage_relation_lr}"
+        # One process's pre-stage under --ranks too (train_ranks.py): the same cache entry.
         prestage_log = cached_stage(work, prestage_key, stage, "decoder pre-stage",
-                                    lambda: run_prestage(phases))
+                                    lambda: run_prestage(phases), ranks, solo=True)
         with torch.no_grad():  # the stage trained a tied head; the checkpoint keeps lm_head separate
             model.lm_head.weight.copy_(decoder.embed_tokens.weight)
         projector = model.model.multi_modal_projector
@@ -2019,6 +2082,7 @@ def main() -> int:
         key += f"-means{args.item_means}" if args.item_means != "gather" else ""
         key += f"-keep{args.vision_patch_keep}-footprint" if args.vision_patch_keep else ""
         key += f"-groups{args.vision_patch_groups}" if args.vision_patch_keep and args.vision_patch_groups > 1 else ""
+        key += f"-ranks{args.ranks}" if args.ranks > 1 else ""
         if args.vision_until:
             key += (f"-until{'+'.join(f'{k}{v}' for k, v in sorted(args.vision_until.items()))}"
                     f"-at{args.vision_gate_step}-retries{args.vision_retries}")
@@ -2035,9 +2099,10 @@ def main() -> int:
         vision_log = cached_stage(work, key, stage, "first stage", lambda: vision_stage_gated(
             lambda attempt, gate: pretrain_vision_pooled(
                 model, tap, pooled_heads, vision_train, held, shapes, colors, args,
-                align=align if args.align_weight > 0 else None, early_heads=early_heads, attempt=attempt, gate=gate),
+                align=align if args.align_weight > 0 else None, early_heads=early_heads, attempt=attempt, gate=gate,
+                ranks=ranks),
             stage, args.vision_retries if args.vision_until else 0,
-            log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)))
+            log=lambda line: print(f"[train] {line}", file=sys.stderr, flush=True)), ranks)
     elif args.vision_steps > 0:
         vision_log = pretrain_vision(model, tap, heads, vision_train, held, shapes, colors, args)
     # The first stage leaves its last gradients on the tower and heads; the joint stage's first
@@ -2093,7 +2158,11 @@ def main() -> int:
             imgs, qs, ans = np.concatenate([imgs, d_imgs]), qs + d_qs, ans + d_ans
             scenes = scenes + vision_train.scenes(didx)
         return imgs, qs, ans, scenes
-    joint_augment_rng = np.random.default_rng(args.seed + 23)
+    ranks.split_threads()
+    joint_augment_rng = np.random.default_rng(ranks.seed(args.seed + 23))
+    # The extra turns of a rank's rows: rank 0 goes on with the stream that drew the order.
+    turn_rng = rng if ranks.main else np.random.default_rng(ranks.seed(args.seed + 29))
+    trained = [p for g in param_groups for p in g["params"]]
     # --decoder-loss-rows: the answer loss reads the logits of a few positions a row (the held-out
     # checks run outside `only` and see every position).
     loss_rows = decoder_rows.LossRows(model.model.language_model) if args.decoder_loss_rows else None
@@ -2103,13 +2172,16 @@ def main() -> int:
         for g in opt.param_groups:
             g["lr"] = sched_lr(step) * g["lr_scale"]
         imgs, qs, ans, scenes = joint_batch(step)
+        rows = ranks.share(np.arange(len(scenes)))  # this rank's rows of the batch (--ranks)
+        if ranks.world > 1:
+            imgs, qs, ans, scenes = imgs[rows], [qs[i] for i in rows], [ans[i] for i in rows], [scenes[i] for i in rows]
         if args.digit_augment > 0:
             imgs = augment_digit_boxes(imgs, scenes, joint_augment_rng, args.digit_augment)
         items = pooled_targets(scenes, shapes, colors, tags=item_tag_names(args))  # object/box masks: the pooled and align losses share them
-        extra = ([derived_turns(sc, shapes, colors, max_count, rng, args.extra_turns, args.balanced_turns,
+        extra = ([derived_turns(sc, shapes, colors, max_count, turn_rng, args.extra_turns, args.balanced_turns,
                                 first_kind="digit" if (joint_pack_batch <= i < joint_pack_batch + args.joint_digit_scenes
                                                       and args.joint_digit_turns_first) else None)
-                  for i, sc in enumerate(scenes)]
+                  for i, sc in zip(rows, scenes)]
                  if args.extra_turns > 0 else None)
         input_ids, attn, lab, turns = encode_batch(tok, qs, ans, ids, extra, return_turns=True)
         guide = args.attn_guide_weight > 0
@@ -2149,6 +2221,7 @@ def main() -> int:
         if not torch.isfinite(loss):
             raise SystemExit(f"non-finite loss at step {step}")
         loss.backward()
+        ranks.average_gradients(trained)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -2157,11 +2230,15 @@ def main() -> int:
                      "s": round(time.time() - t0, 1), "aux": {k: round(float(v.detach()), 3) for k, v in aux_losses.items()}, "aux_fg_acc": aux_fg_acc}
             # Step 0 too after a decoder pre-stage: what the stages give before any answer loss.
             if step % args.eval_every == 0 and (step > 0 or args.decoder_prestage_steps > 0):
-                entry["heldout_acc"], entry["by_type"] = quick_eval(model, tok, held, ids, 256, 64)
+                entry["heldout_acc"], entry["by_type"] = ranks.main_wide(lambda: quick_eval(model, tok, held, ids, 256, 64))
             log.append(entry)
             print(f"[train] {json.dumps(entry)}", file=sys.stderr)
     train_seconds = time.time() - t0
-    acc, by_type = quick_eval(model, tok, held, ids, len(held), 64)
+    acc, by_type = ranks.main_wide(lambda: quick_eval(model, tok, held, ids, len(held), 64))
+    ranks.same_weights(model, "joint stage")
+    ranks.finish()
+    if not ranks.main:
+        return 0
     step = steps_max
     print(f"[train] done: {step} steps, {train_seconds:.0f} s, calib first-token acc {acc:.4f} {by_type}", file=sys.stderr)
 

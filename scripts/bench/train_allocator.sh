@@ -27,15 +27,7 @@ run() {  # run NAME PRELOAD ALLOCATOR
   LD_PRELOAD=$preload python3 "$ROOT/scripts/train_builtin.py" --vlmopt "$VLMOPT" --out "$OUT/model" \
     --work "$WORK" --allocator "$allocator" "${SHORT[@]}" >"$log" 2>&1
   end=$(date +%s.%N)
-  python3 - "$name" "$start" "$end" "$log" "$OUT/model/model.safetensors" <<'EOF'
-import hashlib, json, re, sys
-name, start, end, log, weights = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5]
-text = open(log).read()
-vision = [json.loads(m) for m in re.findall(r"^\[train\] (\{\"vision_step\".*)$", text, re.M)]
-joint = re.search(r"done: \d+ steps, (\d+) s", text)
-sha = hashlib.sha256(open(weights, "rb").read()).hexdigest()[:16]
-print(f"{name:9s} wall {end - start:6.1f} s  vision {vision[-1]['s']:6.1f} s  joint {joint.group(1):>4s} s  sha256 {sha}")
-EOF
+  python3 "$ROOT/scripts/bench/train_log_summary.py" "$name" "$start" "$end" "$log" "$OUT/model/model.safetensors"
 }
 
 mkdir -p "$WORK"

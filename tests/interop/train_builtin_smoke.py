@@ -889,6 +889,70 @@ def loss_rows_parity() -> list[str]:
     return out
 
 
+def length_groups_parity() -> list[str]:
+    """decoder_prestage.pretrain(length_groups=G) (--prestage-length-groups): a batch run as groups sorted by
+    length, every term divided by its count over the whole batch (step_counts), gives the whole batch's
+    loss and gradients (the answer loss, both probes and both routes on, eager attention, the last layer
+    on the loss's rows) up to summation order; and a phase with groups draws the same samples as without."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import numpy as np
+    import torch
+    import decoder_prestage as dp
+    import decoder_rows
+    import train_builtin as tb
+    from transformers import LlamaConfig, LlamaModel
+    sampler = dp.SymbolicScenes(SHAPES, COLORS, tb.SHAPE_PLURALS, next_to=True, count_layouts=True)
+    kinds = ["relation", "count", "digit", "digit", "position", "color"]
+    rng, drawn = np.random.default_rng(0), set()
+    for _ in range(3000):
+        scene, _, q, a = sampler.sample(rng, kinds)
+        drawn.update((q + " " + a).split(), *(w for _, w in dp.item_words(scene)))
+    word_id = {w: i for i, w in enumerate(dict.fromkeys(["<pad>", "<s>", "</s>", "USER:", "ASSISTANT:"]
+                                                        + sorted(drawn)))}
+    torch.manual_seed(1)
+    lm = LlamaModel(LlamaConfig(vocab_size=len(word_id), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    lm.set_attn_implementation("eager")
+    positions = dp.PositionTable(32)
+    probe, count_probe = torch.nn.Linear(32, 2), torch.nn.Linear(32, dp.COUNT_THRESHOLDS)
+    rows = decoder_rows.LossRows(lm)
+    samples = [sampler.sample(np.random.default_rng(7 + i), kinds) for i in range(24)]
+    params = list(lm.parameters()) + list(positions.parameters()) + list(probe.parameters()) + \
+        list(count_probe.parameters())
+    options = dict(comparator_weight=1.0, comparator_layer=1, comparator_axis_weights=(1.0, 0.5), count_weight=0.5,
+                   route_weight=0.5, route_layer=1, route_head=0, count_route_weight=0.5, count_route_head=2,
+                   plurals=sampler.plurals)
+
+    def run(groups: list, counts) -> tuple[float, list[torch.Tensor]]:
+        for q in params:
+            q.grad = None
+        total = 0.0
+        for group in groups:
+            loss = dp.step_loss(lm, positions, group, word_id, counts, rows, probe, count_probe, **options)
+            loss.backward()
+            total += float(loss.detach())
+        return total, [q.grad.clone() if q.grad is not None else torch.zeros_like(q) for q in params]
+
+    out = []
+    whole = run([samples], None)
+    ordered = sorted(samples, key=dp.row_length)
+    counts = dp.step_counts(samples, sampler.plurals, (1.0, 0.5), True, True)
+    if min(counts["comparator"], counts["count"], counts["route"], counts["count_route"]) <= 0:
+        out.append(f"length groups: the test batch does not ask every term: {counts}")
+    for n in (2, 3):
+        bounds = np.linspace(0, len(ordered), n + 1).round().astype(int)
+        grouped = run([ordered[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], counts)
+        worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(whole[1], grouped[1]))
+        if abs(whole[0] - grouped[0]) > 1e-5 * abs(whole[0]) or worst > 1e-4:
+            out.append(f"length groups ({n}): loss {grouped[0]:.7f} against {whole[0]:.7f}, largest relative "
+                       f"gradient difference {worst:.2e}")
+    lengths = [len(dp.collate([x], word_id)["ids"][0]) for x in samples]
+    if [dp.row_length(x) for x in samples] != lengths:
+        out.append("decoder_prestage.row_length: not the collated row's length")
+    rows.restore()
+    return out
+
+
 def extra_boxes_parity(calib_h5: Path) -> list[str]:
     """train_builtin.paste_extra_digit_boxes on the calibration pack's first scenes, donors from its digit scenes."""
     sys.path.insert(0, str(REPO_ROOT / "scripts"))
@@ -995,6 +1059,119 @@ def pack_in_memory_parity(pack_h5: Path) -> list[str]:
     tb.Pack.rows(held.images, idx)[0][:] = 0
     if not np.array_equal(held.images[idx[0]], before):
         failures.append("Pack(in_memory=True): a row is a view into the pack (writing into it changed the pack)")
+    return failures
+
+
+RANKS_WORKER = r"""
+import json, sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+import train_ranks
+rank, init = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+ranks = train_ranks.Ranks(rank, 2, threads=1)
+out = {}
+a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 1, 3))
+a.grad = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([3.0, 6.0])
+if rank == 1:
+    b.grad = torch.tensor([4.0])  # only rank 1's loss reached b
+ranks.average_gradients([a, b, c])
+out["a"], out["b"], out["c"] = a.grad.tolist(), b.grad.tolist(), c.grad
+out["json"] = ranks.broadcast_json({"x": (1, 2.5), "rank": rank})
+def on_main():
+    if rank != 0:
+        raise RuntimeError("main_wide ran fn on rank 1")
+    return [torch.get_num_threads()]
+out["main_wide"] = ranks.main_wide(on_main)
+out["threads_after"] = torch.get_num_threads()
+m = torch.nn.Linear(2, 2)
+with torch.no_grad():
+    m.weight.fill_(0.5)
+    m.bias.fill_(0.25)
+ranks.same_weights(m, "equal stage")
+if rank == 1:
+    with torch.no_grad():
+        m.bias[0] += 1e-7
+try:
+    ranks.same_weights(m, "perturbed stage")
+    out["perturbed"] = "not raised"
+except RuntimeError as e:
+    out["perturbed"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def ranks_primitives(tmp: Path) -> list[str]:
+    """train_ranks.Ranks between two processes: average_gradients averages, gives zeros where only the other
+    rank's loss reached a parameter and keeps None where none did; broadcast_json and main_wide give rank 0's
+    value everywhere (main_wide running fn on rank 0 only, with both ranks' threads); same_weights raises on
+    every rank when one weight differs in its last bit; share, count and seed split a batch and its streams."""
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import train_ranks
+    failures = []
+    r1 = train_ranks.Ranks(1, 2)
+    if r1.share(list(range(5))) != [1, 3] or r1.count(5) != 2 or train_ranks.Ranks(0, 2).count(5) != 3:
+        failures.append(f"Ranks(1, 2): share {r1.share(list(range(5)))} (expected [1, 3]), count {r1.count(5)}")
+    if train_ranks.Ranks(0, 2).seed(7) != 7 or r1.seed(7) != [7, 1]:
+        failures.append("Ranks.seed: rank 0 must keep the one-process seed, others a stream of their own")
+    init = tmp / "ranks-init"
+    procs = [subprocess.Popen([sys.executable, "-c", RANKS_WORKER, str(r), str(init), str(REPO_ROOT / "scripts")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    results = []
+    for r, proc in enumerate(procs):
+        out, err = proc.communicate(timeout=120)
+        if proc.returncode != 0:
+            failures.append(f"ranks worker {r} exited {proc.returncode}: {err.strip().splitlines()[-1:]}")
+            return failures
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for r, got in enumerate(results):
+        expected = {"a": [2.0, 4.0], "b": [2.0], "c": None, "json": {"x": [1, 2.5], "rank": 0},
+                    "main_wide": [2], "threads_after": 1}
+        for k, v in expected.items():
+            if got[k] != v:
+                failures.append(f"ranks worker {r}: {k} expected {v}, got {got[k]}")
+        if "perturbed stage" not in got["perturbed"]:
+            failures.append(f"ranks worker {r}: same_weights did not raise on a weight 1e-7 apart: {got['perturbed']}")
+    return failures
+
+
+def ranks_runs(vlmopt: str, tmp: Path) -> list[str]:
+    """--ranks 2: the run finishes, its decoder pre-stage (rank 0 alone, every thread) is byte for byte
+    a one-process run's, rank 1 loads that entry, and the data-parallel stages reproduce their weights."""
+    failures = []
+    work, single_work = tmp / "ranks-work", tmp / "single-work"
+    two = train(vlmopt, tmp / "ranks" / "model", work, "--threads", "2", "--ranks", "2")
+    one = train(vlmopt, tmp / "single" / "model", single_work, "--threads", "2", "--ranks", "1")
+    if two.returncode != 0 or one.returncode != 0:
+        return [f"--threads 2: --ranks 2 exited {two.returncode} ({two.stderr.strip().splitlines()[-1:]}), "
+                f"--ranks 1 exited {one.returncode} ({one.stderr.strip().splitlines()[-1:]})"]
+    prestage = sorted(work.glob("decoder-prestage-*.safetensors"))
+    single = sorted(single_work.glob("decoder-prestage-*.safetensors"))
+    if [p.name for p in prestage] != [p.name for p in single] or len(prestage) != 1:
+        failures.append(f"--ranks 2: pre-stage entries {[p.name for p in prestage]}, one process's "
+                        f"{[p.name for p in single]} (expected the same single entry)")
+    elif sha256(prestage[0]) != sha256(single[0]):
+        failures.append("--ranks 2: the decoder pre-stage differs from one process's with as many threads")
+    rank_log = (work / "rank-1.log").read_text() if (work / "rank-1.log").is_file() else ""
+    if "decoder pre-stage from" not in rank_log:
+        failures.append("--ranks 2: rank 1 did not load the pre-stage rank 0 wrote (rank-1.log)")
+    if list(work.glob(".ranks-*")):
+        failures.append(f"--ranks 2: the ranks' meeting file is left in --work: {list(work.glob('.ranks-*'))}")
+    args = json.loads((tmp / "ranks" / "model" / "vlmopt_training.json").read_text())["args"]
+    if args.get("ranks") != 2:
+        failures.append(f"--ranks 2: vlmopt_training.json args.ranks {args.get('ranks')}")
+    for vision_cache in work.glob("vision-pooled-*.safetensors"):
+        vision_cache.unlink()
+    again = train(vlmopt, tmp / "ranks-again" / "model", work, "--threads", "2", "--ranks", "2")
+    if again.returncode != 0:
+        failures.append(f"--ranks 2 again: exited {again.returncode}: {again.stderr.strip().splitlines()[-1:]}")
+    elif sha256(tmp / "ranks" / "model" / "model.safetensors") != sha256(tmp / "ranks-again" / "model" / "model.safetensors"):
+        failures.append("--ranks 2: the vision and joint stages trained again gave other weights")
+    bad = train(vlmopt, tmp / "bad-ranks" / "model", tmp / "bad-ranks-work", "--threads", "1", "--ranks", "2")
+    last = (bad.stderr.strip().splitlines() or [""])[-1]
+    if bad.returncode == 0 or not last.startswith("--ranks:") or (tmp / "bad-ranks-work").exists():
+        failures.append(f"--threads 1 --ranks 2: exit {bad.returncode}, last line {last!r}, "
+                        f"work written: {(tmp / 'bad-ranks-work').exists()}")
     return failures
 
 
@@ -1242,6 +1419,9 @@ def main() -> int:
         failures += item_means_parity()
         failures += loss_rows_parity()
         failures += generator_boxes_parity(work / "calib.h5")
+        failures += length_groups_parity()
+        failures += ranks_primitives(tmp)
+        failures += ranks_runs(vlmopt, tmp)
 
     for f in failures:
         print(f"FAIL {f}")
