@@ -46,20 +46,28 @@ TIMEOUT = datetime.timedelta(hours=2)
 
 
 class Ranks:
-    """This process's place among the training processes; world 1: every method is a no-op."""
+    """This process's place among the training processes; with world 1, one process's behaviour throughout."""
 
     def __init__(self, rank: int = 0, world: int = 1, threads: int = 1, children: list | None = None,
-                 logs: list[Path] | None = None):
+                 logs: list[Path] | None = None, init: Path | None = None):
         self.rank, self.world, self.threads = rank, world, threads
-        self.children, self.logs = children or [], logs or []
+        self.children, self.logs, self.init = children or [], logs or [], init
+
+    def join(self) -> None:
+        """Rank 0: meets the ranks it started (they wait for it there); call it once the packs are in --work."""
+        if self.init is None:
+            return
+        try:
+            dist.init_process_group("gloo", init_method=f"file://{self.init}", rank=0, world_size=self.world,
+                                    timeout=TIMEOUT)
+        except BaseException:
+            self.abort()
+            raise
+        self.init = None
 
     @property
     def main(self) -> bool:
         return self.rank == 0
-
-    def count(self, n: int) -> int:
-        """How many of n rows are this rank's share."""
-        return len(range(self.rank, n, self.world))
 
     def share(self, rows):
         """This rank's rows of a batch (a list, array or tensor): every world-th from its rank."""
@@ -170,12 +178,12 @@ def tail(path: Path, lines: int = 20) -> str:
 
 def start(world: int, threads: int, work: Path) -> Ranks:
     """The Ranks of this process. Rank 0 (no ENV_RANK set) with world > 1 starts ranks 1..world-1 as
-    copies of this script with `--work work` (their stdout and stderr in work/rank-N.log) and meets them
-    through a file there; a started rank reads its rank from the environment. threads: each rank's torch
+    copies of this script with `--work work` (their stdout and stderr in work/rank-N.log), to meet them
+    through a file there (join()); a started rank reads its rank from the environment and meets rank 0. threads: each rank's torch
     threads; rank 0 keeps every rank's threads until split_threads(): a pre-stage it trains alone then
     computes bit for bit as in one process (dropping to one thread before it, and back, did not: the
-    count-tag phase came out other in the last bits). Call it once the packs are in work: the other
-    ranks read them."""
+    count-tag phase came out other in the last bits). Call it before packing: the others start up
+    meanwhile and wait for rank 0's join(), which comes once the packs are in work."""
     if ENV_RANK in os.environ:
         rank, world, init = int(os.environ[ENV_RANK]), int(os.environ[ENV_WORLD]), os.environ[ENV_INIT]
         torch.set_num_threads(threads)
@@ -195,11 +203,6 @@ def start(world: int, threads: int, work: Path) -> Ranks:
                                              stdout=out, stderr=out,
                                              stdin=subprocess.DEVNULL))
         logs.append(log)
-    ranks = Ranks(0, world, threads, children, logs)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=world, timeout=TIMEOUT)
-    except BaseException:
-        ranks.abort()
-        raise
+    ranks = Ranks(0, world, threads, children, logs, init)
     atexit.register(ranks.abort)  # an error on rank 0 stops the others (after finish(): nothing to stop)
     return ranks
