@@ -642,17 +642,24 @@ def row_length(sample) -> int:
     return 2 + len(scene_items(scene)) + len(q.split()) + 1 + len(a.split()) + 1
 
 
-def step_counts(samples, plurals: dict[str, str], comparator_axis_weights: tuple[float, float], routing: bool,
-                count_routing: bool) -> dict[str, float]:
+def step_counts(samples, plurals: dict[str, str], comparator_axis_weights: tuple[float, float], comparing: bool,
+                counting: bool, routing: bool, count_routing: bool) -> dict[str, float]:
     """Each loss term's count over a whole batch (pretrain's length groups divide their sums by these):
-    answer tokens, the comparator probe's target weight, count-probe targets, routed rows, count-routed rows."""
-    comparator = comparator_targets(samples)
-    count = count_targets(samples)
-    return {"answer": float(sum(len(a.split()) + 1 for _, _, _, a in samples)),
-            "comparator": float(torch.tensor(comparator_axis_weights).expand_as(comparator)[comparator >= 0].sum()),
-            "count": float((count >= 0).all(-1).sum() * count.size(-1)),
-            "route": float((route_targets(samples) >= 0).sum()) if routing else 0.0,
-            "count_route": float(sum(bool(c) for c in count_route_targets(samples, plurals))) if count_routing else 0.0}
+    answer tokens, the comparator probe's target weight, count-probe targets, routed rows, count-routed rows;
+    0 for a term that is off (its flag False), whose targets are then not drawn up."""
+    counts = {"answer": float(sum(len(a.split()) + 1 for _, _, _, a in samples)), "comparator": 0.0, "count": 0.0,
+              "route": 0.0, "count_route": 0.0}
+    if comparing:
+        comparator = comparator_targets(samples)
+        counts["comparator"] = float(torch.tensor(comparator_axis_weights).expand_as(comparator)[comparator >= 0].sum())
+    if counting:
+        count = count_targets(samples)
+        counts["count"] = float((count >= 0).all(-1).sum() * count.size(-1))
+    if routing:
+        counts["route"] = float((route_targets(samples) >= 0).sum())
+    if count_routing:
+        counts["count_route"] = float(sum(bool(c) for c in count_route_targets(samples, plurals)))
+    return counts
 
 
 def step_loss(lm, positions: PositionTable, samples, word_id: dict[str, int], counts: dict[str, float] | None,
@@ -808,8 +815,9 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             groups = [samples[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
         else:
             groups = [samples]
-        counts = step_counts(samples, sampler.plurals, comparator_axis_weights, route_weight > 0,
-                             count_route_weight > 0) if length_groups > 1 else None
+        counts = step_counts(samples, sampler.plurals, comparator_axis_weights, probe is not None,
+                             count_probe is not None, route_weight > 0, count_route_weight > 0) \
+            if length_groups > 1 else None
         opt.zero_grad(set_to_none=True)
         loss = torch.zeros(())
         for group in groups:  # the groups' gradients add up

@@ -870,7 +870,6 @@ def pretrain_vision_pooled(model, tap, heads, train: "Pack", held: "Pack", shape
     ranks (--ranks): every rank draws the same scenes and trains on its share of them, with its own
     streams for what it draws for them; the held-out checks run on rank 0 (train_ranks.py)."""
     ranks = ranks or train_ranks.Ranks()
-    ranks.split_threads()
     tower = model.model.vision_tower
     seed = args.seed + 1000 * attempt
     params = list(tower.parameters()) + list(heads.parameters())
@@ -1788,6 +1787,9 @@ def main() -> int:
                          f"(--decoder-prestage-batch), got {args.prestage_length_groups}")
     if not 1 <= args.ranks <= max(1, args.threads):
         raise SystemExit(f"--ranks: expected 1..--threads ({args.threads}) processes, got {args.ranks}")
+    if args.ranks > 1 and args.vision_steps > 0 and args.vision_objective != "pooled":
+        raise SystemExit(f"--ranks: the vision stage splits its batches with --vision-objective pooled only, got "
+                         f"{args.vision_objective}")
     if args.decoder_loss_rows and args.attn_guide_weight > 0 and args.attn_guide_layer >= DECODER_LAYERS - 1:
         raise SystemExit(f"--decoder-loss-rows: --attn-guide-layer must read a layer before the last "
                          f"(< {DECODER_LAYERS - 1}), got {args.attn_guide_layer}")
@@ -2056,6 +2058,7 @@ def main() -> int:
             return out
     else:
         prestage_log = []
+    ranks.split_threads()  # the data-parallel stages from here on (the pre-stage ran on rank 0 with every thread)
     tap = VisionTap(model, args.vision_early_shape_layer)
     heads = torch.nn.ModuleDict({k: torch.nn.Linear(config.vision_config.hidden_size, c) for k, c in AUX_HEADS.items()})
     max_count = len(vocab_info["answers"]["count"]) - 1
@@ -2162,7 +2165,6 @@ def main() -> int:
             imgs, qs, ans = np.concatenate([imgs, d_imgs]), qs + d_qs, ans + d_ans
             scenes = scenes + vision_train.scenes(didx)
         return imgs, qs, ans, scenes
-    ranks.split_threads()
     joint_augment_rng = np.random.default_rng(ranks.seed(args.seed + 23))
     # The extra turns of a rank's rows: rank 0 goes on with the stream that drew the order.
     turn_rng = rng if ranks.main else np.random.default_rng(ranks.seed(args.seed + 29))

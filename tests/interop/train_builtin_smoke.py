@@ -936,7 +936,7 @@ def length_groups_parity() -> list[str]:
     out = []
     whole = run([samples], None)
     ordered = sorted(samples, key=dp.row_length)
-    counts = dp.step_counts(samples, sampler.plurals, (1.0, 0.5), True, True)
+    counts = dp.step_counts(samples, sampler.plurals, (1.0, 0.5), True, True, True, True)
     if min(counts["comparator"], counts["count"], counts["route"], counts["count_route"]) <= 0:
         out.append(f"length groups: the test batch does not ask every term: {counts}")
     for n in (2, 3):
