@@ -642,6 +642,13 @@ def row_length(sample) -> int:
     return 2 + len(scene_items(scene)) + len(q.split()) + 1 + len(a.split()) + 1
 
 
+def by_length(samples, groups: int) -> list[list]:
+    """samples sorted by row_length and cut into `groups` runs of near-equal size (none empty)."""
+    ordered = sorted(samples, key=row_length)
+    bounds = np.linspace(0, len(ordered), groups + 1).round().astype(int)
+    return [ordered[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
 def step_counts(samples, plurals: dict[str, str], comparator_axis_weights: tuple[float, float], comparing: bool,
                 counting: bool, routing: bool, count_routing: bool) -> dict[str, float]:
     """Each loss term's count over a whole batch (pretrain's length groups divide their sums by these):
@@ -809,12 +816,7 @@ def pretrain(lm, positions: PositionTable, sampler: SymbolicScenes, word_id: dic
             if step >= steps - cooldown:
                 g["lr"] *= 1.0 - 0.9 * (step - (steps - cooldown) + 1) / cooldown
         samples = [sampler.sample(rng, kinds) for _ in range(batch)]
-        if length_groups > 1:
-            samples = sorted(samples, key=row_length)
-            bounds = np.linspace(0, len(samples), length_groups + 1).round().astype(int)
-            groups = [samples[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
-        else:
-            groups = [samples]
+        groups = by_length(samples, length_groups) if length_groups > 1 else [samples]
         counts = step_counts(samples, sampler.plurals, comparator_axis_weights, probe is not None,
                              count_probe is not None, route_weight > 0, count_route_weight > 0) \
             if length_groups > 1 else None

@@ -13,8 +13,8 @@ in one process, while the others wait; they then load its weights from the cache
 (train_builtin.cached_stage, solo), so it is the same entry as one process's.
 
 How: rank 0 is the process the user started; it starts ranks 1.. as copies of itself (the same argv,
-an environment variable naming the rank) once the training packs exist, and the ranks meet through a
-file in --work (torch.distributed, gloo). Every rank builds the same model from the same seed, draws
+an environment variable naming the rank) before it packs, and the ranks meet through a file in --work
+(torch.distributed, gloo) once the training packs exist (Ranks.join). Every rank builds the same model from the same seed, draws
 the same batch indices, trains on its share of them (share(): every world-th row) and averages the
 gradients with the others before each optimizer step (average_gradients), so that every rank holds
 the same weights bit for bit after every step (same_weights checks it at the end of each stage). What

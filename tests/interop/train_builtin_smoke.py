@@ -935,13 +935,11 @@ def length_groups_parity() -> list[str]:
 
     out = []
     whole = run([samples], None)
-    ordered = sorted(samples, key=dp.row_length)
     counts = dp.step_counts(samples, sampler.plurals, (1.0, 0.5), True, True, True, True)
     if min(counts["comparator"], counts["count"], counts["route"], counts["count_route"]) <= 0:
         out.append(f"length groups: the test batch does not ask every term: {counts}")
     for n in (2, 3):
-        bounds = np.linspace(0, len(ordered), n + 1).round().astype(int)
-        grouped = run([ordered[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])], counts)
+        grouped = run(dp.by_length(samples, n), counts)
         worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(whole[1], grouped[1]))
         if abs(whole[0] - grouped[0]) > 1e-5 * abs(whole[0]) or worst > 1e-4:
             out.append(f"length groups ({n}): loss {grouped[0]:.7f} against {whole[0]:.7f}, largest relative "
